@@ -1,0 +1,1 @@
+"""Plotly HTML reports built from the result store (see DESIGN.md)."""

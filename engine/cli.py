@@ -1,0 +1,114 @@
+"""The `moetune` command line. User mistakes print one line on stderr and exit 2, no traceback."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args) -> int:
+    from engine.llm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, knobs=dict(args.knob or []))
+    prompt = args.prompt
+    if args.chat:
+        if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
+            from engine.errors import MoetuneError
+
+            raise MoetuneError(f"{args.model} has no chat template")
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    out = llm.generate(prompt, params)[0]
+    print(out.text)
+    n = len(out.token_ids)
+    rate = (n - 1) / out.decode_s if n > 1 and out.decode_s > 0 else float("nan")
+    print(f"\n[{len(out.prompt_token_ids)} prompt tokens, {n} generated ({out.finish_reason}); "
+          f"time to first token {out.ttft_s * 1000:.1f} ms; decode {rate:.2f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _quantize(args) -> int:
+    from engine.weights.presets import resolve_model
+    from engine.weights.quantize import quantize_checkpoint
+
+    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to)
+    print(f"wrote {args.to} checkpoint to {dst}")
+    return 0
+
+
+def _presets(args) -> int:
+    from engine.weights.presets import PRESETS, ensure_preset, preset_dir
+
+    for name in args.build or []:
+        if name not in PRESETS:
+            from engine.errors import MoetuneError
+
+            raise MoetuneError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+        ensure_preset(name)
+    for name in PRESETS:
+        path = preset_dir(name)
+        state = "cached" if (path / ".complete").is_file() else "not generated yet"
+        print(f"{name:8s} {state:18s} {path}")
+    return 0
+
+
+def _knob(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    name, value = text.split("=", 1)
+    return name.strip(), value.strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moetune", description="Self-tuning MoE inference engine")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", default="small", help="preset name (tiny, small) or checkpoint directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
+    g.set_defaults(func=_generate)
+
+    q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block or INT8-channel")
+    q.add_argument("src", help="checkpoint directory or preset name")
+    q.add_argument("dst", help="output directory (must not exist or be empty)")
+    q.add_argument("--to", required=True, choices=["fp8", "int8"])
+    q.set_defaults(func=_quantize)
+
+    p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")
+    p.add_argument("--build", action="append", metavar="NAME")
+    p.set_defaults(func=_presets)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="moetune: %(message)s", stream=sys.stderr)
+    from engine.errors import MoetuneError
+
+    try:
+        return args.func(args)
+    except MoetuneError as e:
+        if args.verbose:
+            raise
+        print(f"moetune: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moetune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

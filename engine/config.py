@@ -1,0 +1,267 @@
+"""ModelConfig: every field of a Hugging Face `config.json` that changes the math.
+
+Read from the released DeepSeek checkpoints (`deepseek_v3`: V3, R1, Kimi-K2; `deepseek_v2`: V2,
+V2-Lite). YaRN settings come from `rope_scaling` (released checkpoints) or `rope_parameters` (what
+current transformers writes).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import MoetuneError
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """YaRN rope scaling (arXiv 2309.00071) as DeepSeek uses it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None  # numerator of the cos/sin attention factor
+    mscale_all_dim: float | None = None  # denominator; also scales the softmax by mscale**2
+    attention_factor: float | None = None  # explicit cos/sin factor, overrides mscale
+    truncate: bool = True  # round the correction range to whole dims
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """`quantization_config`: FP8 block (the official DeepSeek-V3 release) or channel INT8."""
+
+    method: str  # "fp8" (block) | "w8a8_int8" (channel)
+    weight_block_size: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek-V2/V3-family checkpoint.
+
+    Shape legend used across the engine: D hidden, H heads, R kv_lora_rank, P qk_rope_head_dim,
+    N qk_nope_head_dim, V v_head_dim, E routed experts, K experts per token, I moe intermediate.
+    """
+
+    model_type: str
+    # --- trunk
+    vocab_size: int
+    hidden_size: int  # D
+    num_hidden_layers: int
+    intermediate_size: int  # dense FFN width (first_k_dense layers)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    # --- mla
+    num_attention_heads: int  # H
+    q_lora_rank: int | None  # None: a plain q_proj (V2-Lite)
+    kv_lora_rank: int  # R
+    qk_nope_head_dim: int  # N
+    qk_rope_head_dim: int  # P
+    v_head_dim: int  # V
+    rope_theta: float
+    rope_interleave: bool  # rope pairs (2i, 2i+1), as the released weights are laid out
+    yarn: YarnConfig | None
+    # --- moe
+    n_routed_experts: int  # E (0: dense model)
+    n_shared_experts: int
+    num_experts_per_tok: int  # K
+    moe_intermediate_size: int  # I
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    scoring_func: str  # "sigmoid" (V3) | "softmax" (V2)
+    topk_method: str  # "noaux_tc" (V3, correction bias) | "greedy" | "group_limited_greedy"
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    # --- extras
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the trunk; skipped
+    quant: QuantConfig | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)**2 under YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            m = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        return _parse(cfg)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise MoetuneError(f"no config.json at {path}: not a Hugging Face checkpoint directory")
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MoetuneError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise MoetuneError(f"{path} does not hold a JSON object")
+        return _parse(cfg)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1·mscale·ln(scale) + 1 (1 when scale ≤ 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_section(cfg: dict) -> dict:
+    """The rope dict, whichever key the checkpoint used; {} when absent."""
+    section = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(section, dict):
+        raise MoetuneError("config.json: rope_scaling must be an object or null")
+    return section
+
+
+def _parse_yarn(section: dict, max_pos: int) -> YarnConfig | None:
+    kind = section.get("rope_type", section.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise MoetuneError(f"config.json: rope scaling type {kind!r} is not supported (only yarn)")
+    orig = section.get("original_max_position_embeddings") or max_pos
+    factor = section.get("factor") or max_pos / orig
+    return YarnConfig(
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(section.get("beta_fast") or 32),
+        beta_slow=float(section.get("beta_slow") or 1),
+        mscale=section.get("mscale"),
+        mscale_all_dim=section.get("mscale_all_dim"),
+        attention_factor=section.get("attention_factor"),
+        truncate=bool(section.get("truncate", True)),
+    )
+
+
+def _parse_quant(cfg: dict) -> QuantConfig | None:
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method not in ("fp8", "w8a8_int8"):
+        raise MoetuneError(f"config.json: quantization method {method!r} is not supported "
+                           "(fp8 with 128x128 blocks, or w8a8_int8 per channel)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise MoetuneError("config.json: only dynamic activation scaling is supported")
+    block = tuple(q.get("weight_block_size") or (128, 128))
+    return QuantConfig(method=method, weight_block_size=(int(block[0]), int(block[1])))
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _require(cfg: dict, key: str):
+    if key not in cfg or cfg[key] is None:
+        raise MoetuneError(f"config.json: required field {key!r} is missing")
+    return cfg[key]
+
+
+def _parse(cfg: dict) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise MoetuneError(f"model_type {model_type!r} is not supported "
+                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if cfg.get("attention_bias"):
+        raise MoetuneError("config.json: attention_bias=true is not supported (no released checkpoint uses it)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MoetuneError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    v3 = model_type == "deepseek_v3"
+    heads = int(_require(cfg, "num_attention_heads"))
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if kv_heads != heads:
+        raise MoetuneError("config.json: MLA needs num_key_value_heads == num_attention_heads")
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    rope = _rope_section(cfg)
+    experts = int(cfg.get("n_routed_experts") or 0)
+    topk_method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    mc = ModelConfig(
+        model_type=model_type,
+        vocab_size=int(_require(cfg, "vocab_size")),
+        hidden_size=int(_require(cfg, "hidden_size")),
+        num_hidden_layers=int(_require(cfg, "num_hidden_layers")),
+        intermediate_size=int(_require(cfg, "intermediate_size")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos,
+        bos_token_id=_first_id(cfg.get("bos_token_id")),
+        eos_token_id=_first_id(cfg.get("eos_token_id")),
+        num_attention_heads=heads,
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=int(_require(cfg, "kv_lora_rank")),
+        qk_nope_head_dim=int(_require(cfg, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim")),
+        v_head_dim=int(_require(cfg, "v_head_dim")),
+        rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        yarn=_parse_yarn(rope, max_pos),
+        n_routed_experts=experts,
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+        topk_method=topk_method,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        quant=_parse_quant(cfg),
+        raw=cfg,
+    )
+    _validate(mc)
+    return mc
+
+
+def _validate(c: ModelConfig) -> None:
+    if c.scoring_func not in ("sigmoid", "softmax"):
+        raise MoetuneError(f"config.json: scoring_func {c.scoring_func!r} is not supported")
+    if c.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise MoetuneError(f"config.json: topk_method {c.topk_method!r} is not supported")
+    if c.n_routed_experts:
+        if c.n_routed_experts % c.n_group:
+            raise MoetuneError(f"config.json: n_routed_experts {c.n_routed_experts} "
+                               f"is not divisible by n_group {c.n_group}")
+        if not 0 < c.topk_group <= c.n_group:
+            raise MoetuneError(f"config.json: topk_group {c.topk_group} must be in 1..n_group ({c.n_group})")
+        if not 0 < c.num_experts_per_tok <= c.topk_group * (c.n_routed_experts // c.n_group):
+            raise MoetuneError(f"config.json: num_experts_per_tok {c.num_experts_per_tok} exceeds the "
+                               "experts reachable in topk_group groups")
+        if c.moe_intermediate_size <= 0:
+            raise MoetuneError("config.json: moe_intermediate_size must be positive")
+    if c.qk_rope_head_dim % 2:
+        raise MoetuneError("config.json: qk_rope_head_dim must be even")

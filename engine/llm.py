@@ -1,0 +1,200 @@
+"""The offline API: `LLM(model=...)`, `llm.logits(ids)`, `llm.generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+import kernels
+from engine.cache import LatentKVCache, SeqCache
+from engine.config import ModelConfig
+from engine.errors import MoetuneError
+from engine.knobs import resolve_knobs
+from engine.models.deepseek_v3 import Batch, DeepseekV3
+from engine.sampling import Sampler
+from engine.tokenizer import Tokenizer
+from engine.weights.loader import load_weights
+from engine.weights.presets import resolve_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise MoetuneError(f"max_tokens must be ≥ 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise MoetuneError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise MoetuneError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise MoetuneError(f"top_k must be ≥ 0, got {self.top_k}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "length" | "stop"
+    ttft_s: float = 0.0  # time to first token
+    decode_s: float = 0.0  # time from the first to the last token
+
+
+@dataclass
+class _Request:
+    out: RequestOutput
+    params: SamplingParams
+    sampler: Sampler
+    seq: SeqCache = field(default_factory=SeqCache)
+    t_first: float = 0.0
+
+
+class LLM:
+    """A DeepSeek-V2/V3-family model loaded for inference on this machine.
+
+    model: a preset name ("tiny", "small") or a Hugging Face checkpoint directory.
+    dtype: activation (and high-precision weight) dtype, "bfloat16" or "float32".
+    knobs: overrides of the knob catalogue (engine.knobs), e.g. {"kv_block_size": 32}.
+    """
+
+    def __init__(self, model: str, dtype: str = "bfloat16", profile: str | None = None,
+                 knobs: dict | None = None, progress: bool = True):
+        if dtype not in DTYPES:
+            raise MoetuneError(f"dtype {dtype!r} is not supported (choose {', '.join(DTYPES)})")
+        if profile is not None:
+            raise MoetuneError("tuned profiles are not available yet (the autotuner writes them)")
+        self.knobs = resolve_knobs(knobs)
+        torch.set_num_threads(self.knobs["threads"])
+        self.path = resolve_model(model, progress)
+        self.config = ModelConfig.from_file(self.path)
+        self.tokenizer = Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").exists() else None
+        self.dtype = DTYPES[dtype]
+        weights = load_weights(self.path, self.config, self.dtype, progress)
+        ops = kernels.get_backend(self.knobs["kernel_backend"])
+        self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=self.knobs["mla_absorb"])
+        c = self.config
+        self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
+                                   c.kv_lora_rank + c.qk_rope_head_dim, self.dtype)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.config.eos_token_id
+
+    @property
+    def max_context(self) -> int:
+        return min(self.config.max_position_embeddings, self.cache.capacity_tokens)
+
+    # ------------------------------------------------------------ one forward
+
+    def _step(self, reqs: list[_Request], new_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed each request its new tokens; returns the logits of each one's last token [B, vocab]."""
+        slots, positions = [], []
+        for r, toks in zip(reqs, new_tokens):
+            start = r.seq.num_tokens
+            slots.append(self.cache.append(r.seq, len(toks)))
+            positions.append(torch.arange(start, start + len(toks)))
+        batch = Batch(torch.tensor([t for toks in new_tokens for t in toks]), torch.cat(positions),
+                      torch.cat(slots), [r.seq for r in reqs], [len(t) for t in new_tokens])
+        with torch.inference_mode():
+            hidden = self.model.forward(batch, self.cache)
+            return self.model.logits(hidden[batch.last_token_index()])
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """One prefill of `token_ids`: float32 logits for every position, [T, vocab]."""
+        ids = self._check_prompt(list(token_ids), extra=0)
+        seq = SeqCache()
+        try:
+            slots = self.cache.append(seq, len(ids))
+            batch = Batch(torch.tensor(ids), torch.arange(len(ids)), slots, [seq], [len(ids)])
+            with torch.inference_mode():
+                return self.model.logits(self.model.forward(batch, self.cache))
+        finally:
+            self.cache.release(seq)
+
+    # ------------------------------------------------------------ generation
+
+    def _check_prompt(self, ids: list[int], extra: int) -> list[int]:
+        if not ids:
+            raise MoetuneError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise MoetuneError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(ids) + extra > self.max_context:
+            raise MoetuneError(f"prompt of {len(ids)} tokens plus {extra} new tokens exceeds the context "
+                               f"of {self.max_context} tokens")
+        return ids
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise MoetuneError(f"{self.path} has no tokenizer.json: pass prompts as token ids")
+        return self.tokenizer.encode(prompt)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Prefill each prompt, then decode all of them together step by step through the KV cache."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        reqs = []
+        for p in prompts:
+            ids = self._check_prompt(self._encode(p), params.max_tokens)
+            reqs.append(_Request(RequestOutput(ids), params, Sampler(params)))
+        try:
+            self._run(reqs)
+        finally:
+            for r in reqs:
+                self.cache.release(r.seq)
+        return [r.out for r in reqs]
+
+    def _run(self, reqs: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        for r in reqs:
+            logits = self._step([r], [r.out.prompt_token_ids])
+            r.t_first = time.perf_counter()
+            r.out.ttft_s = r.t_first - t0
+            self._accept(r, logits[0])
+        active = [r for r in reqs if r.out.finish_reason is None]
+        while active:
+            logits = self._step(active, [[r.out.token_ids[-1]] for r in active])
+            for r, row in zip(active, logits):
+                self._accept(r, row)
+            active = [r for r in active if r.out.finish_reason is None]
+
+    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
+        token = r.sampler(logits)
+        out = r.out
+        out.token_ids.append(token)
+        eos = token == self.eos_token_id and not r.params.ignore_eos
+        out.text = self._decode(out.token_ids[:-1] if eos else out.token_ids)
+        stop = next((s for s in r.params.stop_strings if s in out.text), None)
+        if stop is not None:
+            out.text, out.finish_reason = out.text[: out.text.index(stop)], "stop"
+        elif eos:
+            out.finish_reason = "stop"
+        elif len(out.token_ids) >= r.params.max_tokens:
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            out.decode_s = time.perf_counter() - r.t_first

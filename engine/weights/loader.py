@@ -1,0 +1,243 @@
+"""Streaming safetensors loader: headers first (every check before any byte is read), then the
+shards one by one through mmap, each tensor copied once into its preallocated engine slot.
+
+Formats are recognised per linear from the stored dtypes: float8_e4m3fn + `weight_scale_inv`
+(FP8 128×128 block, the official DeepSeek-V3 release), int8 + `weight_scale` (channel INT8),
+otherwise high precision. Quantized weights stay quantized in memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.errors import MoetuneError
+from engine.weights.layout import LinearSpec, TensorSpec, checkpoint_layout, layer_of
+from kernels.formats import DenseWeight, Fp8BlockWeight, Int8ChannelWeight
+
+log = logging.getLogger("moetune.weights")
+
+ST_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
+}
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shard: Path
+    dtype: str  # safetensors dtype tag, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+# ---------------------------------------------------------------- shards and headers
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The checkpoint's shards: from model.safetensors.index.json, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise MoetuneError(f"{index} is not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise MoetuneError(f"checkpoint shard {missing[0]} named in {index.name} is missing from {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise MoetuneError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def scan(files: list[Path]) -> dict[str, TensorInfo]:
+    """Read every shard's header (no tensor data): name → shard, dtype, shape."""
+    infos: dict[str, TensorInfo] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    infos[name] = TensorInfo(f, sl.get_dtype(), tuple(sl.get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise MoetuneError(f"checkpoint shard {f.name} is corrupt or not a safetensors file ({e})") from None
+    return infos
+
+
+# ---------------------------------------------------------------- planning: formats, shapes, padding
+
+
+@dataclass
+class LinearPlan:
+    spec: LinearSpec
+    fmt: str  # "dense" | "fp8" | "int8"
+    part_rows: int  # rows reserved per part (≥ the part's rows; fp8 FFNs pad to the block)
+    in_features: int  # columns reserved (≥ spec.in_features for a padded down projection)
+    block: tuple[int, int]
+
+
+def _info(infos: dict[str, TensorInfo], name: str) -> TensorInfo:
+    if name not in infos:
+        raise MoetuneError(f"tensor {name} is missing from the checkpoint shards")
+    return infos[name]
+
+
+def _linear_format(spec: LinearSpec, infos: dict[str, TensorInfo]) -> str:
+    tags = {(prefix, _info(infos, prefix + ".weight").dtype) for row in spec.sources for prefix in row}
+    kinds = {t for _, t in tags}
+    if len(kinds) > 1:
+        (a, ta), (b, tb) = sorted(tags, key=lambda x: x[1])[0], sorted(tags, key=lambda x: x[1])[-1]
+        raise MoetuneError(f"dtype mismatch: {a}.weight is {ta} but {b}.weight is {tb} "
+                           f"(all parts of {spec.key} must share one format)")
+    tag = kinds.pop()
+    if tag == "F8_E4M3":
+        return "fp8"
+    if tag == "I8":
+        return "int8"
+    if tag in FLOAT_DTYPES:
+        return "dense"
+    raise MoetuneError(f"dtype mismatch: {spec.sources[0][0]}.weight has dtype {tag}, "
+                       "expected a float, float8_e4m3fn or int8 weight")
+
+
+def _check_linear(spec: LinearSpec, fmt: str, infos: dict[str, TensorInfo], block: tuple[int, int]) -> None:
+    scale_suffix = {"fp8": ".weight_scale_inv", "int8": ".weight_scale"}.get(fmt)
+    for row in spec.sources:
+        for prefix, rows in zip(row, spec.parts):
+            shape = _info(infos, prefix + ".weight").shape
+            if shape != (rows, spec.in_features):
+                raise MoetuneError(f"tensor {prefix}.weight has shape {list(shape)}, "
+                                   f"config.json implies {[rows, spec.in_features]}")
+            if scale_suffix is None:
+                continue
+            scale = _info(infos, prefix + scale_suffix)
+            want = ((-(-rows // block[0]), -(-spec.in_features // block[1])) if fmt == "fp8" else (rows,))
+            if tuple(d for d in scale.shape if fmt == "fp8" or d != 1) != want or scale.dtype not in FLOAT_DTYPES:
+                raise MoetuneError(f"tensor {prefix}{scale_suffix} has shape {list(scale.shape)} "
+                                   f"({scale.dtype}), expected {list(want)} float")
+
+
+def plan_linears(cfg: ModelConfig, specs: list, infos: dict[str, TensorInfo]) -> dict[str, LinearPlan]:
+    block = cfg.quant.weight_block_size if cfg.quant else (128, 128)
+    linears = [s for s in specs if isinstance(s, LinearSpec)]
+    fmts = {s.key: _linear_format(s, infos) for s in linears}
+    for s in linears:
+        _check_linear(s, fmts[s.key], infos, block)
+    fp8_ffns = {s.ffn for s in linears if s.ffn and fmts[s.key] == "fp8"}
+    plans = {}
+    for s in linears:
+        pad = block[0] if s.ffn in fp8_ffns else 1
+        width = s.in_features if not s.padded_input else -(-s.in_features // pad) * pad
+        rows = -(-s.parts[0] // pad) * pad if len(s.parts) > 1 else s.parts[0]
+        plans[s.key] = LinearPlan(s, fmts[s.key], rows, width, block)
+    return plans
+
+
+def _check_tensors(specs: list, infos: dict[str, TensorInfo]) -> None:
+    for s in specs:
+        if isinstance(s, TensorSpec):
+            info = _info(infos, s.source)
+            if info.shape != s.shape:
+                raise MoetuneError(f"tensor {s.source} has shape {list(info.shape)}, "
+                                   f"config.json implies {list(s.shape)}")
+            if info.dtype not in FLOAT_DTYPES:
+                raise MoetuneError(f"dtype mismatch: {s.source} is {info.dtype}, expected a float tensor")
+
+
+# ---------------------------------------------------------------- allocation and filling
+
+
+def _allocate(p: LinearPlan, dtype: torch.dtype):
+    lead = (len(p.spec.sources),) if p.spec.stacked else ()
+    rows = p.part_rows * len(p.spec.parts)
+    if p.fmt == "fp8":
+        bn, bk = p.block
+        w = torch.zeros(*lead, rows, p.in_features, dtype=torch.float8_e4m3fn)
+        return Fp8BlockWeight(w, torch.ones(*lead, -(-rows // bn), -(-p.in_features // bk)), p.block)
+    if p.fmt == "int8":
+        return Int8ChannelWeight(torch.zeros(*lead, rows, p.in_features, dtype=torch.int8),
+                                 torch.ones(*lead, rows))
+    return DenseWeight(torch.zeros(*lead, rows, p.in_features, dtype=dtype))
+
+
+def _targets(plans: dict[str, LinearPlan], weights: dict) -> dict[str, tuple]:
+    """HF tensor name → (plan, expert index or None, part index, component)."""
+    out = {}
+    for key, p in plans.items():
+        for e, row in enumerate(p.spec.sources):
+            for part, prefix in enumerate(row):
+                where = (p, e if p.spec.stacked else None, part)
+                out[prefix + ".weight"] = (*where, "weight")
+                if p.fmt != "dense":
+                    out[prefix + (".weight_scale_inv" if p.fmt == "fp8" else ".weight_scale")] = (*where, "scale")
+    return out
+
+
+def _place(weight, plan: LinearPlan, expert, part: int, component: str, t: torch.Tensor) -> None:
+    w = weight if expert is None else weight[expert]
+    row0 = part * plan.part_rows
+    if component == "weight":
+        dst = w.w
+        dst[row0:row0 + t.shape[0], : t.shape[1]] = t.to(dst.dtype)
+    elif plan.fmt == "fp8":
+        b0 = row0 // plan.block[0]
+        w.scale_inv[b0:b0 + t.shape[0], : t.shape[1]] = t.float()
+    else:
+        w.scale[row0:row0 + t.shape[0]] = t.float().reshape(-1)
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict:
+    """Engine-layout weights: key → Tensor (norms, embedding, router) or a weight format object."""
+    path = Path(path)
+    infos = scan(shard_files(path))
+    specs = checkpoint_layout(cfg)
+    _check_tensors(specs, infos)
+    plans = plan_linears(cfg, specs, infos)
+    _log_skipped(cfg, infos, specs, plans)
+    weights: dict = {k: _allocate(p, dtype) for k, p in plans.items()}
+    tensors = {s.source: s for s in specs if isinstance(s, TensorSpec)}
+    targets = _targets(plans, weights)
+    wanted = [n for n in infos if n in tensors or n in targets]
+    total = sum(_nbytes(infos[n]) for n in wanted)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+        for shard in sorted({infos[n].shard for n in wanted}):
+            with safe_open(shard, framework="pt") as st:
+                for name in (n for n in wanted if infos[n].shard == shard):
+                    t = st.get_tensor(name)
+                    if name in tensors:
+                        s = tensors[name]
+                        weights[s.key] = t.to(torch.float32 if s.float32 else dtype)
+                    else:
+                        p, e, part, comp = targets[name]
+                        _place(weights[p.spec.key], p, e, part, comp, t)
+                    bar.update(_nbytes(infos[name]))
+    if cfg.tie_word_embeddings:
+        weights["lm_head"] = DenseWeight(weights["embed"])
+    return weights
+
+
+def _nbytes(info: TensorInfo) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n * ST_DTYPES.get(info.dtype, torch.float32).itemsize
+
+
+def _log_skipped(cfg: ModelConfig, infos: dict, specs: list, plans: dict) -> None:
+    mtp = {layer_of(n) for n in infos if (layer_of(n) or -1) >= cfg.num_hidden_layers}
+    if mtp:
+        log.info("skipping %d multi-token-prediction layer(s) stored after the trunk: %s",
+                 len(mtp), ", ".join(str(i) for i in sorted(mtp)))
+    used = {s.source for s in specs if isinstance(s, TensorSpec)} | set(_targets(plans, {}))
+    other = [n for n in infos if n not in used and (layer_of(n) or -1) < cfg.num_hidden_layers]
+    if other:
+        log.warning("ignoring %d tensor(s) the engine does not use, e.g. %s", len(other), other[0])

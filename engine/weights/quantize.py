@@ -1,0 +1,80 @@
+"""`moetune quantize SRC DST --to fp8|int8`: a high-precision checkpoint into the released layouts.
+
+- fp8: every decoder projection as float8_e4m3fn `weight` + float32 `weight_scale_inv` per
+  128×128 block, and `quantization_config` {quant_method: fp8, weight_block_size} in config.json —
+  the official DeepSeek-V3 release.
+- int8: every decoder projection as int8 `weight` + float32 `weight_scale` [N, 1] per output
+  channel (activations are quantized per token at run time) — the channel-INT8 R1 layout.
+Embeddings, the LM head, norms, the router and its bias stay as they are. Streams shard by shard.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.errors import MoetuneError
+from engine.weights.layout import is_quantizable
+from engine.weights.loader import shard_files
+from kernels.formats import quantize_fp8_block, quantize_int8_channel
+
+FORMATS = ("fp8", "int8")
+FP8_BLOCK = (128, 128)
+
+
+def quantize_tensor(name: str, t: torch.Tensor, to: str) -> dict[str, torch.Tensor]:
+    """The tensors that replace `name` in the output checkpoint."""
+    if not is_quantizable(name) or t.dtype in (torch.float8_e4m3fn, torch.int8):
+        return {name: t}
+    if to == "fp8":
+        q = quantize_fp8_block(t, FP8_BLOCK)
+        return {name: q.w, name + "_scale_inv": q.scale_inv}
+    q = quantize_int8_channel(t)
+    return {name: q.w, name + "_scale": q.scale.unsqueeze(-1)}
+
+
+def _out_config(src: Path, to: str) -> dict:
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise MoetuneError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
+    if to == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(FP8_BLOCK)}
+    else:
+        cfg["quantization_config"] = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"}
+    return cfg
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: bool = True) -> Path:
+    src, dst = Path(src), Path(dst)
+    if to not in FORMATS:
+        raise MoetuneError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
+    ModelConfig.from_file(src)  # a clear error for anything we could not load afterwards
+    cfg = _out_config(src, to)
+    files = shard_files(src)
+    if dst.exists() and any(dst.iterdir()):
+        raise MoetuneError(f"destination {dst} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for f in tqdm(files, desc=f"quantizing to {to}", unit="shard", disable=not progress):
+        out = {}
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                out.update(quantize_tensor(name, st.get_tensor(name), to))
+        save_file(out, dst / f.name, metadata={"format": "pt"})
+        weight_map.update({k: f.name for k in out})
+    total = sum((dst / f.name).stat().st_size for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for extra in src.iterdir():
+        if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json") \
+                and extra.is_file() and not extra.name.startswith("."):
+            shutil.copy2(extra, dst / extra.name)
+    return dst

@@ -1,0 +1,1 @@
+"""Parquet result store (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""Benchmark suites and baseline drivers (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""Knob search, machine fingerprint and roofline probe, tuned profiles (see DESIGN.md)."""
