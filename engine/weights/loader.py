@@ -215,7 +215,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, progres
                     t = st.get_tensor(name)
                     if name in tensors:
                         s = tensors[name]
-                        weights[s.key] = t.to(torch.float32 if s.float32 else dtype)
+                        weights[s.key] = t.to(torch.float32 if s.float32 else dtype, copy=True)  # no mmap view kept
                     else:
                         p, e, part, comp = targets[name]
                         _place(weights[p.spec.key], p, e, part, comp, t)
