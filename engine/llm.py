@@ -1,6 +1,7 @@
 """The offline API: `LLM(model=...)`, `llm.logits(ids)`, `llm.generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -17,8 +18,29 @@ from engine.sampling import Sampler
 from engine.tokenizer import Tokenizer
 from engine.weights.loader import load_weights
 from engine.weights.presets import resolve_model
+from tuner.profile import Profile, find_profile, load_profile, model_key
+
+log = logging.getLogger("moetune")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _format_name(cfg: ModelConfig, dtype: str) -> str:
+    if cfg.quant is not None:
+        return "fp8" if cfg.quant.method == "fp8" else "int8"
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
+
+
+def _pick_profile(profile, mkey: str, force: bool) -> Profile | None:
+    """None: defaults; "auto": this machine's tuned profile for the model if any; else a path."""
+    if profile is None:
+        return None
+    found = find_profile(mkey) if profile == "auto" else load_profile(profile, force)
+    if found is None:
+        log.info("no tuned profile for %s on this machine: running with the defaults", mkey)
+    else:
+        log.info("running with tuned profile %s", found.path)
+    return found
 
 
 @dataclass
@@ -74,15 +96,15 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "bfloat16", profile: str | None = None,
-                 knobs: dict | None = None, progress: bool = True):
+                 knobs: dict | None = None, progress: bool = True, force_profile: bool = False):
         if dtype not in DTYPES:
             raise MoetuneError(f"dtype {dtype!r} is not supported (choose {', '.join(DTYPES)})")
-        if profile is not None:
-            raise MoetuneError("tuned profiles are not available yet (the autotuner writes them)")
-        self.knobs = resolve_knobs(knobs)
-        torch.set_num_threads(self.knobs["threads"])
         self.path = resolve_model(model, progress)
         self.config = ModelConfig.from_file(self.path)
+        self.model_key = model_key(self.config, _format_name(self.config, dtype))
+        self.profile = _pick_profile(profile, self.model_key, force_profile)
+        self.knobs = resolve_knobs({**(self.profile.knobs if self.profile else {}), **(knobs or {})})
+        torch.set_num_threads(self.knobs["threads"])
         self.tokenizer = Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").exists() else None
         self.dtype = DTYPES[dtype]
         weights = load_weights(self.path, self.config, self.dtype, progress)
