@@ -92,13 +92,14 @@ def _info(infos: dict[str, TensorInfo], name: str) -> TensorInfo:
 
 
 def _linear_format(spec: LinearSpec, infos: dict[str, TensorInfo]) -> str:
-    tags = {(prefix, _info(infos, prefix + ".weight").dtype) for row in spec.sources for prefix in row}
-    kinds = {t for _, t in tags}
-    if len(kinds) > 1:
-        (a, ta), (b, tb) = sorted(tags, key=lambda x: x[1])[0], sorted(tags, key=lambda x: x[1])[-1]
-        raise MoetuneError(f"dtype mismatch: {a}.weight is {ta} but {b}.weight is {tb} "
-                           f"(all parts of {spec.key} must share one format)")
-    tag = kinds.pop()
+    prefixes = [prefix for row in spec.sources for prefix in row]
+    first = _info(infos, prefixes[0] + ".weight").dtype
+    for prefix in prefixes[1:]:
+        tag = _info(infos, prefix + ".weight").dtype
+        if tag != first:
+            raise MoetuneError(f"dtype mismatch: {prefixes[0]}.weight is {first} but {prefix}.weight is {tag} "
+                               f"(all parts of {spec.key} must share one format)")
+    tag = first
     if tag == "F8_E4M3":
         return "fp8"
     if tag == "I8":
@@ -169,7 +170,7 @@ def _allocate(p: LinearPlan, dtype: torch.dtype):
     return DenseWeight(torch.zeros(*lead, rows, p.in_features, dtype=dtype))
 
 
-def _targets(plans: dict[str, LinearPlan], weights: dict) -> dict[str, tuple]:
+def _targets(plans: dict[str, LinearPlan]) -> dict[str, tuple]:
     """HF tensor name → (plan, expert index or None, part index, component)."""
     out = {}
     for key, p in plans.items():
@@ -205,7 +206,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, progres
     _log_skipped(cfg, infos, specs, plans)
     weights: dict = {k: _allocate(p, dtype) for k, p in plans.items()}
     tensors = {s.source: s for s in specs if isinstance(s, TensorSpec)}
-    targets = _targets(plans, weights)
+    targets = _targets(plans)
     wanted = [n for n in infos if n in tensors or n in targets]
     total = sum(_nbytes(infos[n]) for n in wanted)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
@@ -237,7 +238,7 @@ def _log_skipped(cfg: ModelConfig, infos: dict, specs: list, plans: dict) -> Non
     if mtp:
         log.info("skipping %d multi-token-prediction layer(s) stored after the trunk: %s",
                  len(mtp), ", ".join(str(i) for i in sorted(mtp)))
-    used = {s.source for s in specs if isinstance(s, TensorSpec)} | set(_targets(plans, {}))
+    used = {s.source for s in specs if isinstance(s, TensorSpec)} | set(_targets(plans))
     other = [n for n in infos if n not in used and (layer_of(n) or -1) < cfg.num_hidden_layers]
     if other:
         log.warning("ignoring %d tensor(s) the engine does not use, e.g. %s", len(other), other[0])
