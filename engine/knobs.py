@@ -53,6 +53,17 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("mla_absorb", str, "decode", "engine/models",
          "where MLA uses the weight-absorbed form (else the naive form that expands the latent)",
          choices=("decode", "always", "never")),
+    Knob("chunked_prefill_size", int, 512, "engine/scheduler",
+         "most prompt tokens prefilled in one step (a longer prompt is split across steps)",
+         low=16, high=1 << 16, log=True),
+    Knob("decode_batch_cap", int, 256, "engine/scheduler",
+         "most sequences decoded together in one step", low=1, high=4096, log=True),
+    Knob("max_running_requests", int, 256, "engine/scheduler",
+         "most requests holding KV cache at once (the rest wait)", low=1, high=4096, log=True),
+    Knob("batch_invariant", bool, False, "engine",
+         "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
+         "sequence's result never depends on what it is batched with (slow; for reproducibility)",
+         choices=(False, True)),
 )}
 
 
