@@ -13,6 +13,53 @@ from engine.errors import MoetuneError
 
 
 @dataclass(frozen=True)
+class Divides:
+    """This knob's value divides knob `other`'s (both searched as powers of two)."""
+    other: str
+
+    def depends(self) -> tuple[str, ...]:
+        return (self.other,)
+
+    def upper(self, values: dict, limits: dict) -> int:
+        return values[self.other]
+
+    def allows(self, value: int, values: dict, limits: dict) -> bool:
+        return values[self.other] % value == 0
+
+
+@dataclass(frozen=True)
+class AtMost:
+    """This knob's value ≤ `limit`: another knob's value or a machine limit ("cores", "ranks")."""
+    limit: str
+
+    def depends(self) -> tuple[str, ...]:
+        return (self.limit,) if self.limit in CATALOGUE else ()
+
+    def upper(self, values: dict, limits: dict) -> int:
+        return values[self.limit] if self.limit in values else limits[self.limit]
+
+    def allows(self, value: int, values: dict, limits: dict) -> bool:
+        return value <= self.upper(values, limits)
+
+
+@dataclass(frozen=True)
+class ProductAtMost:
+    """This knob × knob `other` ≤ `limit` (a knob or a machine limit), e.g. TP × EP ≤ ranks."""
+    other: str
+    limit: str
+
+    def depends(self) -> tuple[str, ...]:
+        return (self.other,) + ((self.limit,) if self.limit in CATALOGUE else ())
+
+    def upper(self, values: dict, limits: dict) -> int:
+        cap = values[self.limit] if self.limit in values else limits[self.limit]
+        return cap // values[self.other]
+
+    def allows(self, value: int, values: dict, limits: dict) -> bool:
+        return value <= self.upper(values, limits)
+
+
+@dataclass(frozen=True)
 class Knob:
     name: str
     type: type  # int | str | bool
@@ -24,6 +71,9 @@ class Knob:
     high: int | None = None
     log: bool = False  # search the integer range on a log scale
     auto: bool = False  # "auto" is allowed and resolved from the hardware
+    pow2: bool = False  # the tuner searches powers of two only (block sizes)
+    tune: bool = True  # False: a setting, not a speed knob; the tuner leaves it at its default
+    constraints: tuple = ()  # Divides / AtMost / ProductAtMost: built into the tuner's space
 
     def validate(self, value: Any) -> Any:
         if self.auto and value == "auto":
@@ -43,13 +93,14 @@ class Knob:
 
 CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("threads", int, "auto", "engine", "intra-op threads (auto: the usable cores)",
-         low=1, high=1024, auto=True),
+         low=1, high=1024, auto=True, constraints=(AtMost("cores"),)),
     Knob("kernel_backend", str, "reference", "engine", "kernel backend running every op",
          choices=("reference",)),
     Knob("kv_block_size", int, 64, "engine/cache", "tokens per paged KV-cache block",
-         low=1, high=1024, log=True),
+         low=1, high=1024, log=True, pow2=True),
     Knob("max_total_tokens", int, 16384, "engine/scheduler",
-         "KV-cache capacity in tokens, all sequences together", low=64, high=1 << 22, log=True),
+         "KV-cache capacity in tokens, all sequences together", low=64, high=1 << 22, log=True,
+         tune=False),
     Knob("mla_absorb", str, "decode", "engine/models",
          "where MLA uses the weight-absorbed form (else the naive form that expands the latent)",
          choices=("decode", "always", "never")),
@@ -76,4 +127,23 @@ def resolve_knobs(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         values[name] = CATALOGUE[name].validate(value)
     if values["threads"] == "auto":
         values["threads"] = len(os.sched_getaffinity(0))
+    check_constraints(values)
     return values
+
+
+def check_constraints(values: dict[str, Any], limits: dict | None = None,
+                      catalogue: dict[str, Knob] | None = None) -> None:
+    """Raise MoetuneError for a constraint between knobs that `values` break.
+
+    Constraints on machine limits ("cores", "ranks") are checked only when `limits` names them:
+    the tuner never leaves them, a user may (oversubscribing cores, say)."""
+    limits = limits or {}
+    for knob in (catalogue or CATALOGUE).values():
+        for con in knob.constraints:
+            needed = [d for d in con.depends() if not isinstance(values.get(d), int)]
+            machine = getattr(con, "limit", None)
+            if needed or (machine and machine not in values and machine not in limits):
+                continue
+            if isinstance(values.get(knob.name), int) and not con.allows(values[knob.name], values, limits):
+                raise MoetuneError(f"knob {knob.name}={values[knob.name]} breaks {con} "
+                                   f"(values: { {d: values.get(d) for d in con.depends()} })")
