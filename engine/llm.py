@@ -13,8 +13,9 @@ from engine.cache import LatentKVCache, SeqCache
 from engine.config import ModelConfig
 from engine.errors import MoetuneError
 from engine.knobs import resolve_knobs
+from engine.invariant import RowwiseOps
 from engine.models.deepseek_v3 import Batch, DeepseekV3
-from engine.sampling import Sampler
+from engine.scheduler import Request, Scheduler
 from engine.tokenizer import Tokenizer
 from engine.weights.loader import load_weights
 from engine.weights.presets import resolve_model
@@ -78,15 +79,6 @@ class RequestOutput:
     decode_s: float = 0.0  # time from the first to the last token
 
 
-@dataclass
-class _Request:
-    out: RequestOutput
-    params: SamplingParams
-    sampler: Sampler
-    seq: SeqCache = field(default_factory=SeqCache)
-    t_first: float = 0.0
-
-
 class LLM:
     """A DeepSeek-V2/V3-family model loaded for inference on this machine.
 
@@ -109,7 +101,10 @@ class LLM:
         self.dtype = DTYPES[dtype]
         weights = load_weights(self.path, self.config, self.dtype, progress)
         ops = kernels.get_backend(self.knobs["kernel_backend"])
-        self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=self.knobs["mla_absorb"])
+        absorb = self.knobs["mla_absorb"]
+        if self.knobs["batch_invariant"]:  # see engine/invariant.py
+            ops, absorb = RowwiseOps(ops), "always"
+        self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=absorb)
         c = self.config
         self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
                                    c.kv_lora_rank + c.qk_rope_head_dim, self.dtype)
@@ -126,7 +121,7 @@ class LLM:
 
     # ------------------------------------------------------------ one forward
 
-    def _step(self, reqs: list[_Request], new_tokens: list[list[int]]) -> torch.Tensor:
+    def _step(self, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed each request its new tokens; returns the logits of each one's last token [B, vocab]."""
         slots, positions = [], []
         for r, toks in zip(reqs, new_tokens):
@@ -175,7 +170,7 @@ class LLM:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Prefill each prompt, then decode all of them together step by step through the KV cache."""
+        """Generate for every prompt through the continuous-batching scheduler (as the server does)."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -183,29 +178,18 @@ class LLM:
         reqs = []
         for p in prompts:
             ids = self._check_prompt(self._encode(p), params.max_tokens)
-            reqs.append(_Request(RequestOutput(ids), params, Sampler(params)))
+            reqs.append(Request(RequestOutput(ids), params))
+        scheduler = Scheduler(self)
         try:
-            self._run(reqs)
-        finally:
             for r in reqs:
-                self.cache.release(r.seq)
+                scheduler.add(r)
+            while scheduler.has_work():
+                scheduler.step()
+        finally:
+            scheduler.cancel_all()  # only after an error: every block back
         return [r.out for r in reqs]
 
-    def _run(self, reqs: list[_Request]) -> None:
-        t0 = time.perf_counter()
-        for r in reqs:
-            logits = self._step([r], [r.out.prompt_token_ids])
-            r.t_first = time.perf_counter()
-            r.out.ttft_s = r.t_first - t0
-            self._accept(r, logits[0])
-        active = [r for r in reqs if r.out.finish_reason is None]
-        while active:
-            logits = self._step(active, [[r.out.token_ids[-1]] for r in active])
-            for r, row in zip(active, logits):
-                self._accept(r, row)
-            active = [r for r in active if r.out.finish_reason is None]
-
-    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
         token = r.sampler(logits)
         out = r.out
         out.token_ids.append(token)

@@ -1,0 +1,201 @@
+"""Continuous batching over the paged KV cache: requests wait, run (holding blocks), finish.
+
+Every step mixes the decode token of each running sequence (at most `decode_batch_cap` of them)
+with prompt chunks (at most `chunked_prefill_size` prompt tokens in all): first the prompts already
+being prefilled, then newly admitted ones. A waiting request is admitted, oldest first, while fewer
+than `max_running_requests` run and the free blocks hold the rest of its prompt. When a step needs
+more blocks than are free, the newest running request is preempted: its blocks are freed and it
+waits again, to be recomputed (prompt + the tokens it already generated) when there is room.
+Cancelling a request frees its blocks at once.
+
+Offline `LLM.generate` and the server both drive this class (`step()` until `has_work()` is false).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.cache import SeqCache
+from engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from engine.llm import LLM, RequestOutput, SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being generated. Its tokens are prompt + out.token_ids; seq holds how many of
+    them are in the cache; the rest (`num_pending`) are fed at the next steps."""
+
+    out: RequestOutput
+    params: SamplingParams
+    sampler: Sampler | None = None
+    seq: SeqCache = field(default_factory=SeqCache)
+    status: Status = Status.WAITING
+    arrival: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0  # when the first token was sampled
+    last_step: int = -1  # the step that last fed this request (decode fairness under the cap)
+    num_preemptions: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    user: Any = None  # the owner's handle (the server's stream), never read here
+
+    def __post_init__(self):
+        if self.sampler is None:
+            self.sampler = Sampler(self.params)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.out.prompt_token_ids) + len(self.out.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.seq.num_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.out.token_ids) and self.num_pending == 1
+
+    def pending_tokens(self, n: int) -> list[int]:
+        """The next n tokens not yet in the cache."""
+        start = self.seq.num_tokens
+        ids = self.out.prompt_token_ids + self.out.token_ids
+        return ids[start:start + n]
+
+
+Plan = list[tuple[Request, int]]  # (request, new tokens fed this step)
+
+
+class Scheduler:
+    def __init__(self, llm: LLM):
+        self.llm, self.cache = llm, llm.cache
+        self.chunk = llm.knobs["chunked_prefill_size"]
+        self.decode_cap = llm.knobs["decode_batch_cap"]
+        self.max_running = llm.knobs["max_running_requests"]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Drop the request wherever it is and free its blocks now (no-op once finished)."""
+        if req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.cache.release(req.seq)
+        else:
+            return
+        req.status = Status.FINISHED
+        req.out.finish_reason = req.out.finish_reason or reason
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        for req in list(self.running) + list(self.waiting):
+            self.cancel(req, reason)
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> list[Request]:
+        """Schedule, run one forward, sample where a sequence is complete. Returns the requests
+        that got a new token (finished ones have out.finish_reason set and no blocks left)."""
+        plan = self.schedule()
+        if not plan:
+            return []
+        self.num_steps += 1
+        reqs = [r for r, _ in plan]
+        logits = self.llm._step(reqs, [r.pending_tokens(n) for r, n in plan])
+        return [r for r, row in zip(reqs, logits) if self._after_forward(r, row)]
+
+    def _after_forward(self, req: Request, logits: torch.Tensor) -> bool:
+        req.last_step = self.num_steps
+        if req.num_pending:  # a prompt chunk that is not the last: nothing to sample yet
+            return False
+        if not req.out.token_ids:
+            req.t_first = time.perf_counter()
+            req.out.ttft_s = req.t_first - req.arrival
+        self.llm._accept(req, logits)
+        if req.out.finish_reason is not None:
+            self.running.remove(req)
+            self.cache.release(req.seq)
+            req.status = Status.FINISHED
+        return True
+
+    # ------------------------------------------------------------ scheduling
+
+    def schedule(self) -> Plan:
+        plan: Plan = [(r, 1) for r in self._decodes()]
+        budget = self.chunk
+        for r in self.running:
+            if budget and not r.is_decoding:
+                n = min(r.num_pending, budget)
+                plan.append((r, n))
+                budget -= n
+        while budget and self.waiting and self._can_admit(self.waiting[0], plan):
+            r = self.waiting.popleft()
+            r.status = Status.RUNNING
+            self.running.append(r)
+            n = min(r.num_pending, budget)
+            plan.append((r, n))
+            budget -= n
+        return self._fit(plan)
+
+    def _decodes(self) -> list[Request]:
+        """Decoding sequences, least recently fed first, at most decode_batch_cap."""
+        ready = [r for r in self.running if r.is_decoding]
+        if len(ready) > self.decode_cap:
+            ready = sorted(ready, key=lambda r: (r.last_step, r.arrival))[: self.decode_cap]
+        return ready
+
+    def _blocks(self, plan: Plan) -> int:
+        return sum(self.cache.blocks_needed(r.seq, n) for r, n in plan)
+
+    def _can_admit(self, req: Request, plan: Plan) -> bool:
+        """Room for another request, and free blocks for the rest of its prompt after this step."""
+        if len(self.running) >= self.max_running:
+            return False
+        need = self._blocks(plan) + self.cache.blocks_needed(req.seq, req.num_pending)
+        return need <= self.cache.allocator.num_free
+
+    def _fit(self, plan: Plan) -> Plan:
+        """Preempt the newest running requests until the plan's new blocks are free."""
+        while self._blocks(plan) > self.cache.allocator.num_free:
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim)
+            plan = [(r, n) for r, n in plan if r is not victim]
+        return plan
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req.seq)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------ stats
+
+    def kv_blocks_used(self) -> int:
+        a = self.cache.allocator
+        return a.num_blocks - a.num_free
