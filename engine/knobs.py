@@ -114,7 +114,7 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("batch_invariant", bool, False, "engine",
          "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
          "sequence's result never depends on what it is batched with (slow; for reproducibility)",
-         choices=(False, True)),
+         choices=(False, True), tune=False),
 )}
 
 
