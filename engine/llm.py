@@ -173,8 +173,8 @@ class LLM:
         """Generate for every prompt through the continuous-batching scheduler (as the server does)."""
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt; [] is an empty one (rejected below), not an empty batch
         reqs = []
         for p in prompts:
             ids = self._check_prompt(self._encode(p), params.max_tokens)

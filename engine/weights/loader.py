@@ -46,8 +46,10 @@ def shard_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise MoetuneError(f"{index} is not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise MoetuneError(f"{index} is not a valid safetensors index (weight_map must map names to files)")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

@@ -7,6 +7,7 @@ checkpoints. `small` has a fixed shape so figures compare across runs and machin
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -91,21 +92,33 @@ def resolve_model(model: str | os.PathLike, progress: bool = True) -> Path:
 
 
 def ensure_preset(name: str, progress: bool = True) -> Path:
-    """The preset's directory, generating it (atomically) if it is not cached yet."""
+    """The preset's directory, generating it if it is not cached yet.
+
+    Generation happens in a temporary folder renamed into place when complete, under a file lock,
+    so concurrent processes never see (or delete) a half-written preset.
+    """
     out = preset_dir(name)
     if (out / ".complete").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").is_file():
+            _generate_into(name, out, progress)
+    return out
+
+
+def _generate_into(name: str, out: Path, progress: bool) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write_random_checkpoint(PRESETS[name], tmp, seed=zlib.crc32(name.encode()), progress=progress)
         (tmp / ".complete").write_text(f"moetune preset {name} v{PRESET_VERSION}\n")
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover of a killed run
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # ---------------------------------------------------------------- generation
@@ -150,7 +163,7 @@ def write_random_checkpoint(config: dict, out: Path, seed: int, progress: bool =
     n = cfg.num_hidden_layers
     files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     dtype = getattr(torch, config.get("torch_dtype", "bfloat16"))
-    weight_map, total = {}, sum(_numel(s) for s in shapes.values())
+    weight_map, total, nbytes = {}, sum(_numel(s) for s in shapes.values()), 0
     with tqdm(total=total, unit=" params", unit_scale=True, desc=f"generating {out.name}", disable=not progress) as bar:
         for shard in range(n):
             names = [k for k in shapes if _shard_of(k, n) == shard]
@@ -159,11 +172,12 @@ def write_random_checkpoint(config: dict, out: Path, seed: int, progress: bool =
                 t = _random_tensor(k, shapes[k], seed, config.get("initializer_range", 0.02))
                 keep_f32 = k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
                 tensors[k] = t if keep_f32 else t.to(dtype)
+                nbytes += tensors[k].nbytes
                 bar.update(_numel(shapes[k]))
             save_file(tensors, out / files[shard], metadata={"format": "pt"})
             weight_map.update({k: files[shard] for k in names})
             del tensors
-    index = {"metadata": {"total_size": sum(_numel(s) for s in shapes.values())}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     build_preset_tokenizer(cfg.vocab_size, out)
