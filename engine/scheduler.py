@@ -48,7 +48,6 @@ class Request:
     status: Status = Status.WAITING
     arrival: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0  # when the first token was sampled
-    last_step: int = -1  # the step that last fed this request (decode fairness under the cap)
     num_preemptions: int = 0
     id: int = field(default_factory=lambda: next(_ids))
     user: Any = None  # the owner's handle (the server's stream), never read here
@@ -88,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_steps = 0
+        self._next_decode = 0  # round-robin position under the decode cap
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ queue
@@ -120,7 +120,10 @@ class Scheduler:
     def step(self) -> list[Request]:
         """Schedule, run one forward, sample where a sequence is complete. Returns the requests
         that got a new token (finished ones have out.finish_reason set and no blocks left)."""
-        plan = self.schedule()
+        return self.run(self.schedule())
+
+    def run(self, plan: Plan) -> list[Request]:
+        """One forward over a plan from `schedule()`; see `step`."""
         if not plan:
             return []
         self.num_steps += 1
@@ -129,7 +132,6 @@ class Scheduler:
         return [r for r, row in zip(reqs, logits) if self._after_forward(r, row)]
 
     def _after_forward(self, req: Request, logits: torch.Tensor) -> bool:
-        req.last_step = self.num_steps
         if req.num_pending:  # a prompt chunk that is not the last: nothing to sample yet
             return False
         if not req.out.token_ids:
@@ -162,10 +164,12 @@ class Scheduler:
         return self._fit(plan)
 
     def _decodes(self) -> list[Request]:
-        """Decoding sequences, least recently fed first, at most decode_batch_cap."""
+        """Decoding sequences, at most decode_batch_cap, taken round-robin when there are more."""
         ready = [r for r in self.running if r.is_decoding]
         if len(ready) > self.decode_cap:
-            ready = sorted(ready, key=lambda r: (r.last_step, r.arrival))[: self.decode_cap]
+            start = self._next_decode % len(ready)
+            ready = (ready[start:] + ready[:start])[: self.decode_cap]
+            self._next_decode = start + self.decode_cap
         return ready
 
     def _blocks(self, plan: Plan) -> int:
