@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")
     p.add_argument("--build", action="append", metavar="NAME")
     p.set_defaults(func=_presets)
+
+    from dashboards.report import add_parser as add_report
+    from results.commands import add_parser as add_results
+    from tuner.autotune import add_parser as add_autotune
+
+    add_autotune(sub)
+    add_results(sub)
+    add_report(sub)
     return ap
 
 

@@ -1,0 +1,279 @@
+"""`moetune report [--out DIR]`: static plotly HTML from the result store, readable offline.
+
+    DIR/plotly.min.js        written once, beside the pages (no network needed)
+    DIR/index.html           tuned vs defaults (with spreads), kernel rooflines, baselines, study list
+    DIR/study-<n>.html       per study: tuning history + best so far, knob importances,
+                             parallel coordinates, Pareto front (two objectives)
+
+Everything is read from the Parquet store (results.store), so a report can be built on another
+machine from a copied results folder. Each figure is a div with a stable id (FIGURE_IDS says which
+a page should have), which the headless-browser test checks.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<script src="plotly.min.js"></script>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} .fig{{margin-bottom:2em}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px}}</style>
+</head><body><h1>{title}</h1>
+{body}
+</body></html>
+"""
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("report", help="build the HTML dashboards from the result store")
+    r.add_argument("--out", help="output folder (default: <results>/report)")
+    r.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    out = build_report(Path(args.out) if args.out else None)
+    print(f"report: {out / 'index.html'}")
+    return 0
+
+
+def default_report_dir() -> Path:
+    from results.store import results_dir
+
+    return results_dir() / "report"
+
+
+def latest_report_dir() -> Path | None:
+    """The folder of the last report built in the default place (for `moetune serve` at /dashboard)."""
+    d = default_report_dir()
+    return d if (d / "index.html").is_file() else None
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:80]
+
+
+def build_report(out: Path | None = None, results: Path | None = None) -> Path:
+    """Write every page; returns the folder."""
+    import plotly.offline
+
+    from results.store import read_results
+
+    out = Path(out or default_report_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plotly.min.js").write_text(plotly.offline.get_plotlyjs())
+    df = read_results(results)
+    studies = sorted(s for s in df["study"].dropna().unique()) if len(df) else []
+    links = []
+    for study in studies:
+        rows = df[(df["study"] == study) & (df["suite"].isin(["autotune", "kernels-autotune"]))]
+        if len(rows):
+            name = f"study-{slug(study)}.html"
+            _write(out / name, f"Study {study}", study_figures(rows))
+            links.append(f'<li><a href="{name}">{html.escape(study)}</a> ({rows["trial"].nunique()} trials)</li>')
+    body = overview_figures(df) + [f"<h2>Studies</h2><ul>{''.join(links) or '<li>none yet</li>'}</ul>"]
+    _write(out / "index.html", "moetune report", body)
+    return out
+
+
+def _write(path: Path, title: str, parts: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(_PAGE.format(title=html.escape(title), body="\n".join(parts)))
+    tmp.replace(path)
+
+
+def _div(fig, div_id: str, title: str) -> str:
+    fig.update_layout(title=title, height=420, margin=dict(l=60, r=20, t=50, b=50))
+    return f'<div class="fig">{fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)}</div>'
+
+
+# ------------------------------------------------------------------ per study
+
+def study_figures(rows) -> list[str]:
+    """History, importances, parallel coordinates (first metric), Pareto front (two metrics)."""
+    metrics = list(dict.fromkeys(rows["metric"]))
+    first = rows[rows["metric"] == metrics[0]]
+    parts = [_div(history_figure(first), "history", f"Tuning history: {metrics[0]} per trial, best so far"),
+             _div(importance_figure(first), "importance", "Knob importance (share of the variance of log value)"),
+             _div(parallel_figure(first), "parallel", f"Parallel coordinates: knobs → {metrics[0]}")]
+    if len(metrics) == 2:
+        parts.append(_div(pareto_figure(rows, metrics), "pareto", f"Pareto front: {metrics[0]} vs {metrics[1]}"))
+    return parts
+
+
+def history_figure(rows):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for status, marker in (("ok", "circle"), ("pruned", "x"), ("failed", "triangle-down"),
+                           ("wrong", "diamond"), ("timeout", "square")):
+        sel = rows[rows["status"] == status]
+        if len(sel):
+            y = sel["median"].where(np.isfinite(sel["median"]), other=None)
+            fig.add_scatter(x=sel["trial"], y=y, mode="markers", name=status, marker_symbol=marker,
+                            text=sel["error"].fillna(""), hovertemplate="trial %{x}: %{y}<br>%{text}")
+    ok = rows[rows["status"] == "ok"].sort_values("trial")
+    if len(ok):
+        best = ok["median"].cummin() if ok["direction"].iloc[0] != "maximize" else ok["median"].cummax()
+        fig.add_scatter(x=ok["trial"], y=best, mode="lines", name="best so far", line_shape="hv")
+    fig.update_xaxes(title="trial")
+    fig.update_yaxes(title=f"{rows['metric'].iloc[0]} ({rows['unit'].iloc[0] or ''})")
+    return fig
+
+
+def knob_columns(rows) -> list[str]:
+    return [c for c in rows.columns if c.startswith("knob.") and rows[c].notna().any()]
+
+
+def importances(rows) -> dict[str, float]:
+    """η² of each knob on log(value) over completed trials (one-way ANOVA), normalized to sum 1."""
+    ok = rows[(rows["status"] == "ok") & (rows["median"] > 0)]
+    if len(ok) < 2:
+        return {}
+    y = np.log(ok["median"].to_numpy(dtype=float))
+    total = float(((y - y.mean()) ** 2).sum())
+    out = {}
+    for col in knob_columns(ok):
+        groups = ok.groupby(ok[col].astype(str)).indices.values()
+        between = sum(len(g) * (y[g].mean() - y.mean()) ** 2 for g in groups)
+        out[col.removeprefix("knob.")] = between / total if total > 0 else 0.0
+    s = sum(out.values())
+    return {k: v / s for k, v in sorted(out.items(), key=lambda kv: -kv[1])} if s > 0 else out
+
+
+def importance_figure(rows):
+    import plotly.graph_objects as go
+
+    imp = importances(rows)
+    fig = go.Figure(go.Bar(x=list(imp.values()), y=list(imp.keys()), orientation="h"))
+    fig.update_xaxes(title="importance", range=[0, 1])
+    if not imp:
+        fig.add_annotation(text="fewer than two completed trials", showarrow=False)
+    return fig
+
+
+def parallel_figure(rows):
+    import plotly.graph_objects as go
+
+    ok = rows[rows["status"] == "ok"]
+    dims = []
+    for col in knob_columns(ok):
+        values = ok[col]
+        if values.map(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)).all():
+            dims.append(dict(label=col.removeprefix("knob."), values=values.astype(float).tolist()))
+        else:
+            cats = sorted(values.astype(str).unique())
+            dims.append(dict(label=col.removeprefix("knob."), values=[cats.index(v) for v in values.astype(str)],
+                             tickvals=list(range(len(cats))), ticktext=cats))
+    y = ok["median"].astype(float).tolist()
+    dims.append(dict(label=ok["metric"].iloc[0] if len(ok) else "value", values=y))
+    return go.Figure(go.Parcoords(dimensions=dims, line=dict(color=y, colorscale="Viridis", showscale=True)))
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both (both minimized)."""
+    return [i for i, (a, b) in enumerate(points)
+            if not any(c <= a and d <= b and (c < a or d < b) for c, d in points)]
+
+
+def pareto_figure(rows, metrics):
+    import plotly.graph_objects as go
+
+    ok = rows[rows["status"] == "ok"].pivot_table(index="trial", columns="metric", values="median")
+    ok = ok.dropna()
+    pts = list(zip(ok[metrics[0]], ok[metrics[1]]))
+    front = sorted(pareto_front(pts), key=lambda i: pts[i][0])
+    fig = go.Figure()
+    fig.add_scatter(x=ok[metrics[0]], y=ok[metrics[1]], mode="markers", name="trials",
+                    text=[f"trial {t}" for t in ok.index])
+    fig.add_scatter(x=[pts[i][0] for i in front], y=[pts[i][1] for i in front], mode="lines+markers",
+                    name="Pareto front", line_shape="hv")
+    fig.update_xaxes(title=metrics[0])
+    fig.update_yaxes(title=metrics[1])
+    return fig
+
+
+# ------------------------------------------------------------------ overview
+
+def overview_figures(df) -> list[str]:
+    parts = []
+    confirm = df[df["suite"] == "autotune-confirm"] if len(df) else df
+    if len(confirm):
+        parts.append(_div(tuned_vs_defaults_figure(confirm), "tuned-vs-defaults",
+                          "Tuned vs defaults: re-measured alternately (median, bars p10–p90)"))
+    kern = df[df["suite"] == "kernels"] if len(df) else df
+    if len(kern):
+        parts.append(_div(roofline_figure(kern, df[df["suite"] == "probe"]), "roofline",
+                          "Kernel roofline: achieved GFLOP/s vs arithmetic intensity, probe limits"))
+    base = df[df["extra"].fillna("").str.contains('"engine"')] if len(df) else df
+    if len(base):
+        parts.append(_div(baseline_figure(base), "baselines", "Against baselines (median, bars p10–p90)"))
+    if not parts:
+        parts.append("<p>No results yet: run <code>moetune autotune</code>.</p>")
+    return parts
+
+
+def tuned_vs_defaults_figure(confirm):
+    """The latest confirmation of each study: defaults and finalists, per metric."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    latest = confirm[confirm["run_id"] == confirm.groupby("study")["run_id"].transform("max")]
+    metrics = list(dict.fromkeys(latest["metric"]))
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    for j, metric in enumerate(metrics, start=1):
+        sel = latest[latest["metric"] == metric]
+        labels = [f"{json.loads(e).get('label', '?')} · {s[:24]}" for e, s in zip(sel["extra"], sel["study"])]
+        fig.add_bar(x=labels, y=sel["median"], name=metric, showlegend=False, row=1, col=j,
+                    error_y=dict(type="data", symmetric=False, array=sel["p90"] - sel["median"],
+                                 arrayminus=sel["median"] - sel["p10"]))
+    return fig
+
+
+def roofline_figure(kern, probe):
+    """Each kernel row at (flops / bytes, GFLOP/s); the roof min(peak, bandwidth × intensity)."""
+    import plotly.graph_objects as go
+
+    extra = [json.loads(e) if isinstance(e, str) else {} for e in kern["extra"]]
+    work = [json.loads(w) if isinstance(w, str) else {} for w in kern["workload"]]
+    pts = [(x.get("flops", 0) / max(1, x.get("bytes", 1)), x.get("flops", 0) / t / 1e9,
+            f"{w.get('op', '?')} {w.get('format', '')} T={w.get('tokens', '')}")
+           for x, w, t in zip(extra, work, kern["median"]) if t and t > 0 and x.get("bytes")]
+    fig = go.Figure()
+    if pts:
+        fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name="kernels",
+                        text=[p[2] for p in pts])
+    limits = {m: v for m, v in zip(probe["metric"], probe["median"])} if len(probe) else {}
+    bw = limits.get("read_bw_gbps")
+    xs = np.logspace(-2, 3, 60)
+    for name, peak in limits.items():
+        if name.startswith("peak_gflops") and bw:
+            fig.add_scatter(x=xs, y=np.minimum(peak, bw * xs), mode="lines", name=f"roof: {name.removeprefix('peak_gflops_')}")
+    if bw and not any(n.startswith("peak_gflops") for n in limits):
+        fig.add_scatter(x=xs, y=bw * xs, mode="lines", name="read bandwidth")
+    fig.update_xaxes(type="log", title="arithmetic intensity (FLOP/byte)")
+    fig.update_yaxes(type="log", title="GFLOP/s")
+    return fig
+
+
+def baseline_figure(base):
+    import plotly.graph_objects as go
+
+    engines = [json.loads(e).get("engine", "?") for e in base["extra"]]
+    base = base.assign(engine=engines)
+    fig = go.Figure()
+    for engine, sel in base.groupby("engine"):
+        fig.add_bar(name=engine, x=sel["metric"] + " " + sel["workload"].fillna("").str.slice(0, 30),
+                    y=sel["median"], error_y=dict(type="data", symmetric=False,
+                                                  array=sel["p90"] - sel["median"],
+                                                  arrayminus=sel["median"] - sel["p10"]))
+    fig.update_layout(barmode="group")
+    return fig
+
+
+FIGURE_IDS = {"index": ("tuned-vs-defaults", "roofline", "baselines"),
+              "study": ("history", "importance", "parallel"), "study2": ("pareto",)}

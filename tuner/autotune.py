@@ -1,0 +1,201 @@
+"""`moetune autotune`: tune this machine's knobs for a model and write its profile.
+
+    moetune autotune [--model small] [--objective tpot|ttft|throughput|pareto]
+                     [--trials N | --time-budget 10m] [--storage URL] [--tier system|kernels]
+
+With no arguments: the `small` preset, TPOT at batch 1, ten minutes in all. The study is stored
+(SQLite in the results folder, or --storage, e.g. postgresql://user@host/db) and resumed by name:
+Ctrl-C stops cleanly, and the next run goes on where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from datetime import datetime, timezone
+
+from engine.errors import MoetuneError
+
+
+def parse_duration(text: str) -> float:
+    """'10m', '90s', '1h30m', '45' (seconds) → seconds."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not parts or not any(parts.groups()):
+        raise argparse.ArgumentTypeError(f"expected a duration like 10m, 90s or 1h, got {text!r}")
+    h, m, s = (float(g or 0) for g in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("autotune", help="find this machine's best knobs for a model; write its profile")
+    a.add_argument("--model", default="small", help="preset name or checkpoint directory")
+    a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a.add_argument("--objective", default="tpot", choices=["tpot", "ttft", "throughput", "pareto"])
+    a.add_argument("--tier", default="system", choices=["system", "kernels"])
+    budget = a.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=int, help="trials in the study in all (a rerun does the rest)")
+    budget.add_argument("--time-budget", type=parse_duration, help="wall time of this run (default 10m)")
+    a.add_argument("--storage", help="Optuna storage URL (default: SQLite in the results folder)")
+    a.add_argument("--study", help="study name (default: from objective, model and machine)")
+    a.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
+    a.add_argument("--decode", type=int, default=4, help="output tokens per request")
+    a.add_argument("--batch", type=int, default=4, help="requests together (throughput)")
+    a.add_argument("--latency-limit", type=float, default=10.0, help="most s/token (throughput)")
+    a.add_argument("--repeats", type=int, default=3)
+    a.add_argument("--seed", type=int)
+    a.set_defaults(func=run_autotune)
+
+
+def run_autotune(args) -> int:
+    t0 = time.monotonic()
+    budget = args.time_budget if args.time_budget is not None else (None if args.trials else 600.0)
+    from tuner.search import TuneConfig
+
+    cfg = TuneConfig(trials=args.trials, repeats=args.repeats, seed=args.seed,
+                     time_budget_s=None if budget is None else budget)
+    if args.tier == "kernels":
+        return _kernels(args, cfg, t0)
+    return _system(args, cfg, t0)
+
+
+def _system(args, cfg, t0: float) -> int:
+    from engine.config import ModelConfig
+    from engine.llm import _format_name
+    from engine.weights.presets import resolve_model
+    from tuner.fingerprint import fingerprint
+    from tuner.objectives import SystemObjective, shared_weights
+    from tuner.profile import find_profile, model_key
+    from tuner.search import Tuner
+    from tuner.space import SearchSpace
+
+    path = resolve_model(args.model, True)
+    mkey = model_key(ModelConfig.from_file(path), _format_name(ModelConfig.from_file(path), args.dtype))
+    obj = SystemObjective(args.objective, args.model, args.dtype, args.prompt_len, args.decode,
+                          args.batch, args.latency_limit, format=mkey.rsplit("-", 1)[1])
+    prior = find_profile(mkey)
+    space = SearchSpace.from_catalogue()
+    hw = fingerprint()["hardware_key"]
+    name = args.study or f"{obj.name}-{mkey}-{hw}-p{args.prompt_len}d{args.decode}"
+    with shared_weights():
+        tuner = Tuner(space, obj, cfg, args.storage, name, prior=prior.knobs if prior else None)
+        if cfg.time_budget_s is not None:
+            cfg.time_budget_s = max(0.0, cfg.time_budget_s - (time.monotonic() - t0))
+        print(f"tuning {', '.join(space.names)} for {mkey} ({obj.kind}; study {name})")
+        with _Progress(tuner, cfg) as bar:
+            result = tuner.run(on_trial=bar.update)
+    if result.interrupted:
+        print(f"stopped after {result.trials_done} trials; rerun the same command to resume study {name}")
+        return 130
+    print(gain_table(result, tuner))
+    out = write_profile(result, tuner, mkey, prior)
+    print(f"profile: {out}" + ("" if result.kept else " (no knob set beat the defaults beyond the spread: defaults kept)"))
+    print(f"{result.trials_done} trials in the study; {time.monotonic() - t0:.0f} s this run")
+    return 0
+
+
+def _kernels(args, cfg, t0: float) -> int:
+    from tuner.fingerprint import fingerprint
+    from tuner.kernel_tier import kernel_ops, tune_op
+    from tuner.profile import Profile, load_profile, profile_path, save_profile
+
+    ops = kernel_ops()
+    if not ops:
+        raise MoetuneError("no kernel op is registered for tuning (the kernel tier needs a backend "
+                           "whose ops take tile knobs; see tuner/kernel_tier.py)")
+    if cfg.time_budget_s is not None:
+        cfg.time_budget_s /= sum(len(op.formats) * len(op.buckets) for op in ops.values())
+    tables = {name: tune_op(op, cfg, args.storage) for name, op in ops.items()}
+    hw = fingerprint()["hardware_key"]
+    path = profile_path(hw, "kernels")
+    prof = load_profile(path) if path.is_file() else Profile(_meta("kernels", "kernel tier", None, {}, {}))
+    prof.kernel_tables.update(tables)
+    print(f"kernel tables for {', '.join(tables)}: {save_profile(prof, path)}")
+    return 0
+
+
+def _meta(mkey: str, objective: str, study: str | None, gain: dict, spread: dict, **more) -> dict:
+    from tuner.fingerprint import fingerprint
+
+    fp = fingerprint()
+    return {"hardware_key": fp["hardware_key"], "fingerprint": dict(fp), "model_key": mkey,
+            "commit": fp["commit"], "dirty": fp["dirty"], "objective": objective,
+            "study": study or "", "gain": gain, "gain_spread": spread,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), **more}
+
+
+def write_profile(result, tuner, mkey: str, prior):
+    """The profile for (this machine, model): the kept knobs, gains with spreads, old kernel tables kept."""
+    from tuner.profile import Profile, profile_path, save_profile
+
+    win = result.winner
+    gain = {m.name: (win.gain(m.name)["median"] if win else 0.0) for m in result.metrics}
+    spread = {m.name: ([win.gain(m.name)["low"], win.gain(m.name)["high"]] if win else [0.0, 0.0])
+              for m in result.metrics}
+    meta = _meta(mkey, tuner.obj.kind, result.study, gain, spread, trial=result.best_trial if result.kept else -1,
+                 kept=result.kept, workload=tuner.obj.workload)
+    prof = Profile(meta, dict(result.knobs), dict(prior.kernel_tables) if prior else {})
+    hw = meta["hardware_key"]
+    return save_profile(prof, profile_path(hw, mkey))
+
+
+def gain_table(result, tuner) -> str:
+    """Defaults and each finalist, re-measured alternately: median [p10–p90] and gain over the defaults."""
+    lines = ["", f"{'candidate':12s} {'metric':16s} {'median':>10s} {'p10–p90':>21s} {'gain':>8s} {'gain p10–p90':>17s}  changed knobs"]
+    for c in result.candidates:
+        changed = {k: v for k, v in c.knobs.items() if tuner.defaults.get(k) != v}
+        for m in result.metrics:
+            s = _stats(c.samples.get(m.name, []))
+            g = c.gain(m.name)
+            mark = " ←kept" if result.kept and c is result.winner else ""
+            lines.append(f"{c.label:12s} {m.name:16s} {s['median']:10.4g} {s['p10']:10.4g}–{s['p90']:<10.4g} "
+                         f"{g['median']:+8.1%} {g['low']:+8.1%}–{g['high']:<+8.1%} "
+                         f"{changed if c.label != 'defaults' else ''}{mark}")
+    return "\n".join(lines)
+
+
+def _stats(samples):
+    from results.store import stats
+
+    return stats(samples)
+
+
+class _Progress:
+    """tqdm bar: trials (or seconds of the budget), best so far, gain over the defaults' trial."""
+
+    def __init__(self, tuner, cfg):
+        from tqdm import tqdm
+
+        self.tuner, self.t0 = tuner, time.monotonic()
+        self.by_time = cfg.trials is None
+        total = cfg.time_budget_s if self.by_time else cfg.trials
+        self.bar = tqdm(total=round(total or 0), unit="s" if self.by_time else "trial",
+                        desc="autotune", dynamic_ncols=True, initial=0 if self.by_time else tuner.finished())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+    def update(self, tuner, frozen) -> None:
+        if self.by_time:
+            self.bar.n = min(self.bar.total, round(time.monotonic() - self.t0))
+        else:
+            self.bar.n = tuner.finished()
+        self.bar.set_postfix_str(_postfix(tuner, frozen), refresh=False)
+        self.bar.refresh()
+
+
+def _postfix(tuner, frozen) -> str:
+    import optuna
+
+    metrics = tuner.obj.metrics
+    done = tuner.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    text = f"trial {frozen.number} {frozen.user_attrs.get('status', frozen.state.name.lower())}"
+    if len(metrics) > 1 or not done:
+        return text + f", {len(done)} complete"
+    m = metrics[0]
+    best = min(done, key=lambda t: t.value) if m.direction == "minimize" else max(done, key=lambda t: t.value)
+    base = next((t for t in done if t.user_attrs.get("seed") == "defaults"), None)
+    gain = f", gain {m.gain(best.value, base.value):+.1%}" if base else ""
+    return text + f", best {m.name}={best.value:.4g} (trial {best.number}){gain}"

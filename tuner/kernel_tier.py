@@ -1,0 +1,134 @@
+"""The kernel tier: per op × format × shape bucket, a search over that op's tile knobs.
+
+An op joins by registering a `KernelOp` adapter (suites/kernels.py or a backend does it at import):
+
+    register_kernel_op(KernelOp(
+        name="fused_moe", knobs=("moe_block_m", "moe_block_n"), formats=("int8", "fp8"),
+        buckets=({"tokens": 1}, {"tokens": 16}, {"tokens": 512}),
+        make_inputs=lambda bucket, fmt: (...),          # the op's arguments for that bucket
+        run=lambda args, **knobs: backend.fused_moe(*args, **knobs),
+        reference=lambda args: kernels.reference.fused_moe(*args),
+        atol=1e-2, rtol=1e-2))
+
+Every configuration is run once and compared with the reference *before* it is timed: a wrong
+answer is a failed trial (status "wrong"), never a winner. The winners form a table per op,
+stored in the profile's [kernel_tables] and looked up at run time by the nearest bucket
+(`lookup`: distance in log2 of each numeric bucket field).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engine.knobs import Knob
+from tuner.search import Metric, Tuner, TuneConfig, WrongAnswer
+from tuner.space import SearchSpace
+
+TIME = Metric("time_s", "minimize", "s")
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    name: str
+    knobs: tuple[str, ...]  # the op's tile knobs (catalogue names)
+    formats: tuple[str, ...]
+    buckets: tuple[dict, ...]  # shape buckets, e.g. {"tokens": 1}
+    make_inputs: Callable[[dict, str], tuple]  # (bucket, format) → arguments
+    run: Callable[..., Any]  # run(args, **knobs) → output
+    reference: Callable[[tuple], Any]  # reference(args) → output
+    atol: float = 1e-3
+    rtol: float = 1e-3
+    catalogue: dict[str, Knob] | None = None  # None: engine.knobs.CATALOGUE
+    work: Callable[[dict, str], dict] | None = None  # bucket, format → {"bytes", "flops"}
+
+
+_OPS: dict[str, KernelOp] = {}
+
+
+def register_kernel_op(op: KernelOp) -> None:
+    _OPS[op.name] = op
+
+
+def kernel_ops() -> dict[str, KernelOp]:
+    """The registered ops (importing suites.kernels first, where the real adapters live)."""
+    try:
+        import suites.kernels  # noqa: F401 - registers its adapters
+    except ImportError:
+        pass
+    return dict(_OPS)
+
+
+def bucket_key(bucket: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in sorted(bucket.items()))
+
+
+def check_close(out, ref, atol: float, rtol: float) -> None:
+    """Raise WrongAnswer with the worst element when `out` is not within atol + rtol·|ref|."""
+    out, ref = torch.as_tensor(out).float(), torch.as_tensor(ref).float()
+    if out.shape != ref.shape:
+        raise WrongAnswer(f"wrong answer: shape {tuple(out.shape)} ≠ reference {tuple(ref.shape)}")
+    err = (out - ref).abs() - (atol + rtol * ref.abs())
+    if not torch.isfinite(out).all() or (err > 0).any():
+        i = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
+        raise WrongAnswer(f"wrong answer: element {i} is {out.flatten()[i]:.6g}, reference "
+                          f"{ref.flatten()[i]:.6g} (atol {atol}, rtol {rtol})")
+
+
+@dataclass
+class KernelObjective:
+    op: KernelOp
+    format: str
+    bucket: dict
+    model: str = "kernel"
+    metrics: tuple = (TIME,)
+    workload: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.name = f"kernel-{self.op.name}"
+        self.workload = {"op": self.op.name, **self.bucket}
+        self._args = self.op.make_inputs(self.bucket, self.format)
+        self._ref = self.op.reference(self._args)
+
+    def prepare(self, knobs: dict) -> Callable[[], dict[str, float]]:
+        """Verify the configuration against the reference, then return a timer of one call."""
+        check_close(self.op.run(self._args, **knobs), self._ref, self.op.atol, self.op.rtol)
+
+        def timed() -> dict[str, float]:
+            t = time.perf_counter()
+            self.op.run(self._args, **knobs)
+            return {"time_s": time.perf_counter() - t}
+
+        return timed
+
+
+def tune_op(op: KernelOp, cfg: TuneConfig, storage: str | None = None) -> list[dict]:
+    """Tune every format × bucket of `op`; returns its table rows {format, bucket..., knobs...}."""
+    rows = []
+    for fmt in op.formats:
+        for bucket in op.buckets:
+            obj = KernelObjective(op, fmt, bucket)
+            space = SearchSpace.from_catalogue(list(op.knobs), catalogue=op.catalogue, exclude_components=())
+            tuner = Tuner(space, obj, cfg, storage, suite="kernels-autotune",
+                          study_name=f"kernel-{op.name}-{fmt}-{bucket_key(bucket)}")
+            result = tuner.run()
+            if result.interrupted:
+                raise KeyboardInterrupt
+            rows.append({"format": fmt, **bucket, **(result.knobs or tuner.defaults)})
+    return rows
+
+
+def lookup(table: list[dict], fmt: str, knob_names, **bucket) -> dict:
+    """The knobs of the row with `fmt` nearest to `bucket` ({} when the table has no such format)."""
+    rows = [r for r in table if r.get("format") == fmt]
+    if not rows:
+        return {}
+
+    def distance(r: dict) -> float:
+        return sum(abs(math.log2(max(1, r.get(k, v))) - math.log2(max(1, v))) for k, v in bucket.items())
+
+    best = min(rows, key=distance)
+    return {k: best[k] for k in knob_names if k in best}

@@ -1,0 +1,387 @@
+"""The Optuna search: trials over a SearchSpace against an Objective, then a confirmation round.
+
+    tuner = Tuner(space, objective, TuneConfig(trials=30), storage=None)   # SQLite in the results folder
+    result = tuner.run()          # → TuneResult: best knobs, confirmation (gain over defaults ± spread)
+
+One trial: knobs sampled (TPE, multivariate) → objective.prepare(knobs) (load / build / verify
+against the reference: a wrong answer raises WrongAnswer) → warm-up calls → repeats, each giving
+one sample per metric; the value is the median, every sample is kept (Parquet store, suite
+"autotune"). After the first repeat a trial clearly worse than the best so far (factor
+`prune_factor`) is pruned. Failures (exceptions, wrong answers, timeouts, out of memory) are told to
+Optuna as FAIL and stored with their reason: they can never be chosen.
+
+The first trials are the defaults and the last profile's knobs (enqueue_trial). The study lives in
+an Optuna storage (SQLite by default, PostgreSQL via a URL: several processes tune one study) and is
+resumed by name; `trials` is the study's total, so a rerun after Ctrl-C does the rest.
+
+Before anything is written, `confirm` re-measures the best few and the defaults alternately, round
+by round; a candidate is kept only if its gain over the defaults, paired round by round, stays above
+zero across the spread (p10 of the paired gains > 0).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import optuna
+
+from results.store import append_rows, new_run_id, results_dir, stats
+from tuner.space import SearchSpace
+
+log = logging.getLogger("moetune")
+
+
+class TrialFailure(Exception):
+    """A configuration that did not produce a valid measurement; `status` goes to the store."""
+    status = "failed"
+
+
+class WrongAnswer(TrialFailure):
+    status = "wrong"
+
+
+class TrialTimeout(TrialFailure):
+    status = "timeout"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # e.g. "tpot_s"
+    direction: str  # "minimize" | "maximize"
+    unit: str = ""
+
+    def better(self, a: float, b: float) -> bool:
+        return a < b if self.direction == "minimize" else a > b
+
+    def gain(self, tuned: float, default: float) -> float:
+        """Relative gain of `tuned` over `default` (0.25: 25 % better, whichever the direction)."""
+        return default / tuned - 1.0 if self.direction == "minimize" else tuned / default - 1.0
+
+
+class Objective(Protocol):
+    """What a tier measures. prepare(knobs) builds a runner (may raise TrialFailure); each call of
+    the runner is one repeat and returns one sample per metric."""
+    name: str
+    metrics: tuple[Metric, ...]
+    model: str
+    format: str
+    workload: dict
+
+    def prepare(self, knobs: dict[str, Any]) -> Callable[[], dict[str, float]]: ...
+
+
+@dataclass
+class TuneConfig:
+    trials: int | None = None  # total finished trials of the study (resume: the rest)
+    time_budget_s: float | None = None  # wall time of this run, confirmation included
+    warmup: int = 1
+    repeats: int = 3
+    prune_factor: float = 1.5  # a first repeat this much worse than the best is pruned
+    trial_timeout_s: float | None = None
+    finalists: int = 3  # candidates re-measured against the defaults
+    confirm_rounds: int = 3
+    seed: int | None = None
+    progress: bool = True
+
+
+class ClearlyWorsePruner(optuna.pruners.BasePruner):
+    """Prunes a trial whose reported value is `factor` times worse than the best completed value."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        done = [t.value for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+        if step is None or not done:
+            return False
+        value = trial.intermediate_values[step]
+        if study.direction == optuna.study.StudyDirection.MINIMIZE:
+            return value > min(done) * self.factor
+        return value < max(done) / self.factor
+
+
+def default_storage() -> str:
+    path = results_dir() / "optuna.sqlite3"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def open_study(name: str, metrics: tuple[Metric, ...], storage: str | None, cfg: TuneConfig) -> optuna.Study:
+    """Create or resume the study `name` (TPE multivariate, clearly-worse pruner)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    store = optuna.storages.RDBStorage(storage or default_storage())
+    sampler = optuna.samplers.TPESampler(multivariate=True, seed=cfg.seed, n_startup_trials=5)
+    dirs = [m.direction for m in metrics]
+    return optuna.create_study(storage=store, study_name=name, sampler=sampler, load_if_exists=True,
+                               pruner=ClearlyWorsePruner(cfg.prune_factor) if len(dirs) == 1 else None,
+                               directions=dirs)
+
+
+@dataclass
+class Candidate:
+    label: str  # "defaults" or "trial N"
+    knobs: dict
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    gains: dict[str, list[float]] = field(default_factory=dict)  # paired with the defaults, per round
+
+    def gain(self, metric: str) -> dict:
+        g = self.gains.get(metric, [])
+        s = stats(g)
+        return {"median": s["median"], "low": s["p10"], "high": s["p90"]}
+
+
+@dataclass
+class TuneResult:
+    study: str
+    best_trial: int | None
+    knobs: dict  # the kept knob set ({} when nothing beat the defaults)
+    kept: bool
+    candidates: list[Candidate]
+    metrics: tuple[Metric, ...]
+    trials_done: int
+    interrupted: bool = False
+
+    @property
+    def winner(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.knobs == self.knobs and c.label != "defaults"), None) \
+            if self.kept else None
+
+
+class Tuner:
+    """Runs one study: search trials, then the confirmation that decides the kept knob set."""
+
+    def __init__(self, space: SearchSpace, objective: Objective, cfg: TuneConfig,
+                 storage: str | None = None, study_name: str | None = None,
+                 prior: dict | None = None, suite: str = "autotune"):
+        self.space, self.obj, self.cfg, self.suite = space, objective, cfg, suite
+        self.study_name = study_name or f"{objective.name}-{objective.model}-{objective.format}"
+        self.study = open_study(self.study_name, objective.metrics, storage, cfg)
+        self.prior, self.run_id = prior, new_run_id()
+        self.defaults = _defaults(space)
+        self._call_s: list[float] = []  # seconds per runner call, to size the confirmation
+        self._prepare_s: list[float] = []
+
+    # ------------------------------------------------------------ search
+
+    def run(self, on_trial: Callable[["Tuner", optuna.trial.FrozenTrial], None] | None = None) -> TuneResult:
+        """Search until `trials` or the time budget, then confirm; Ctrl-C stops cleanly."""
+        t0 = time.monotonic()
+        self._enqueue_seeds()
+        interrupted = False
+        try:
+            while self._more(t0):
+                frozen = self._one_trial()
+                if on_trial:
+                    on_trial(self, frozen)
+        except KeyboardInterrupt:
+            interrupted = True
+        if interrupted:
+            return TuneResult(self.study_name, None, {}, False, [], self.obj.metrics, self.finished(), True)
+        return self.confirm()
+
+    def finished(self) -> int:
+        states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+        return len(self.study.get_trials(deepcopy=False, states=states))
+
+    def _more(self, t0: float) -> bool:
+        if self.cfg.trials is not None and self.finished() >= self.cfg.trials:
+            return False
+        if self.cfg.time_budget_s is None:
+            return self.cfg.trials is not None
+        left = self.cfg.time_budget_s - (time.monotonic() - t0)
+        return left > self.confirm_estimate_s() + self.trial_estimate_s()
+
+    def trial_estimate_s(self) -> float:
+        call = statistics.median(self._call_s) if self._call_s else 0.0
+        prep = statistics.median(self._prepare_s) if self._prepare_s else 0.0
+        return prep + call * (self.cfg.warmup + self.cfg.repeats)
+
+    def confirm_estimate_s(self) -> float:
+        call = statistics.median(self._call_s) if self._call_s else 0.0
+        prep = statistics.median(self._prepare_s) if self._prepare_s else 0.0
+        n = self.cfg.finalists + 1
+        return n * (prep + call * (1 + self.cfg.confirm_rounds))
+
+    def _enqueue_seeds(self) -> None:
+        self.study.enqueue_trial(self.space.params_of(self.defaults), user_attrs={"seed": "defaults"},
+                                 skip_if_exists=True)
+        if self.prior and self.space.contains({**self.defaults, **self.prior}):
+            self.study.enqueue_trial(self.space.params_of({**self.defaults, **self.prior}),
+                                     user_attrs={"seed": "last profile"}, skip_if_exists=True)
+
+    def _one_trial(self) -> optuna.trial.FrozenTrial:
+        trial = self.study.ask()
+        trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")
+        knobs = self.space.suggest(trial)
+        trial.set_user_attr("knobs", knobs)
+        samples: dict[str, list[float]] = {m.name: [] for m in self.obj.metrics}
+        try:
+            self._measure(trial, knobs, samples)
+        except optuna.TrialPruned:
+            return self._finish(trial, knobs, samples, optuna.trial.TrialState.PRUNED, "pruned", "")
+        except TrialFailure as e:
+            return self._finish(trial, knobs, samples, optuna.trial.TrialState.FAIL, e.status, str(e))
+        except MemoryError as e:
+            return self._finish(trial, knobs, samples, optuna.trial.TrialState.FAIL, "failed", f"out of memory: {e}")
+        except KeyboardInterrupt:
+            self._finish(trial, knobs, samples, optuna.trial.TrialState.FAIL, "failed", "interrupted")
+            raise
+        except Exception as e:  # noqa: BLE001 - any crash of a configuration is a failed trial
+            return self._finish(trial, knobs, samples, optuna.trial.TrialState.FAIL, "failed",
+                                f"{type(e).__name__}: {e}")
+        return self._finish(trial, knobs, samples, optuna.trial.TrialState.COMPLETE, "ok", "")
+
+    def _measure(self, trial, knobs: dict, samples: dict[str, list[float]]) -> None:
+        t = time.monotonic()
+        runner = self.obj.prepare(knobs)
+        self._prepare_s.append(time.monotonic() - t)
+        deadline = t + self.cfg.trial_timeout_s if self.cfg.trial_timeout_s else math.inf
+        for _ in range(self.cfg.warmup):
+            self._timed_call(runner, deadline)
+        for i in range(self.cfg.repeats):
+            for name, value in self._timed_call(runner, deadline).items():
+                samples.setdefault(name, []).append(float(value))
+            if i == 0 and len(self.obj.metrics) == 1:
+                trial.report(samples[self.obj.metrics[0].name][0], 0)
+                if trial.should_prune():
+                    raise optuna.TrialPruned()
+
+    def _timed_call(self, runner, deadline: float) -> dict[str, float]:
+        t = time.monotonic()
+        out = runner()
+        self._call_s.append(time.monotonic() - t)
+        if time.monotonic() > deadline:
+            raise TrialTimeout(f"timeout: over {self.cfg.trial_timeout_s:.0f} s")
+        missing = [m.name for m in self.obj.metrics if m.name not in out]
+        if missing:
+            raise TrialFailure(f"objective returned no {missing}")
+        return out
+
+    def _finish(self, trial, knobs, samples, state, status: str, error: str) -> optuna.trial.FrozenTrial:
+        trial.set_user_attr("status", status)
+        if error:
+            trial.set_user_attr("error", error[:500])
+        values = None
+        if state == optuna.trial.TrialState.COMPLETE:
+            values = [statistics.median(samples[m.name]) for m in self.obj.metrics]
+        self.study.tell(trial, values, state=state)
+        self._store(trial.number, knobs, samples, status, error)
+        return self.study.trials[trial.number]
+
+    def _store(self, number: int | None, knobs: dict, samples: dict, status: str, error: str,
+               suite: str | None = None, label: str = "") -> None:
+        rows = [{"study": self.study_name, "trial": number, "knobs": knobs, "metric": m.name,
+                 "unit": m.unit, "direction": m.direction, "samples": samples.get(m.name, []),
+                 "status": status, "error": error or None, "model": self.obj.model,
+                 "format": self.obj.format, "workload": self.obj.workload,
+                 "extra": {"label": label, "objective": self.obj.name} if label else {"objective": self.obj.name}}
+                for m in self.obj.metrics]
+        try:
+            append_rows(rows, suite or self.suite, run_id=self.run_id)
+        except OSError as e:  # a full disk must not lose the study
+            log.warning("could not append results: %s", e)
+
+    # ------------------------------------------------------------ confirmation
+
+    def finalists(self) -> list[optuna.trial.FrozenTrial]:
+        """The best few distinct completed trials (multi-objective: from the Pareto front)."""
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if len(self.obj.metrics) > 1:
+            pool = self.study.best_trials
+            ranked = sorted(pool, key=lambda t: -sum(_rank_gain(self.obj.metrics, t, done)))
+        else:
+            sign = 1 if self.obj.metrics[0].direction == "minimize" else -1
+            ranked = sorted(done, key=lambda t: sign * t.value)
+        out, seen = [], [self.defaults]
+        for t in ranked:
+            knobs = t.user_attrs.get("knobs") or self.space.knobs_of_params(t.params)
+            if knobs not in seen:
+                seen.append(knobs)
+                out.append(t)
+            if len(out) == self.cfg.finalists:
+                break
+        return out
+
+    def confirm(self) -> TuneResult:
+        """Re-measure the finalists and the defaults alternately; keep a set only if it wins beyond the spread."""
+        trials = self.finalists()
+        cands = [Candidate("defaults", dict(self.defaults))] + [
+            Candidate(f"trial {t.number}", t.user_attrs.get("knobs") or self.space.knobs_of_params(t.params))
+            for t in trials]
+        runners = self._prepare_all(cands)
+        cands = [c for c in cands if c.label in runners]
+        if "defaults" not in runners:
+            return TuneResult(self.study_name, None, {}, False, cands, self.obj.metrics, self.finished())
+        for r in range(self.cfg.confirm_rounds):
+            order = cands[r % len(cands):] + cands[:r % len(cands)]  # rotate who goes first
+            for c in order:
+                for name, v in runners[c.label]().items():
+                    c.samples.setdefault(name, []).append(float(v))
+        self._pair_gains(cands)
+        for c in cands:
+            number = int(c.label.split()[1]) if c.label != "defaults" else None
+            self._store(number, c.knobs, c.samples, "ok", "", suite="autotune-confirm", label=c.label)
+        winner = self._pick(cands[1:])
+        number = int(winner.label.split()[1]) if winner else None
+        return TuneResult(self.study_name, number, winner.knobs if winner else {}, winner is not None,
+                          cands, self.obj.metrics, self.finished())
+
+    def _prepare_all(self, cands: list[Candidate]) -> dict[str, Callable]:
+        runners = {}
+        for c in cands:
+            try:
+                runners[c.label] = self.obj.prepare(c.knobs)
+                runners[c.label]()  # warm-up
+            except Exception as e:  # noqa: BLE001
+                log.warning("confirmation: %s failed to prepare (%s); dropped", c.label, e)
+        return runners
+
+    def _pair_gains(self, cands: list[Candidate]) -> None:
+        base = cands[0]
+        for c in cands:
+            for m in self.obj.metrics:
+                pairs = zip(c.samples.get(m.name, []), base.samples.get(m.name, []))
+                c.gains[m.name] = [m.gain(t, d) for t, d in pairs]
+
+    def _pick(self, cands: list[Candidate]) -> Candidate | None:
+        """The candidate with the largest median gain among those winning beyond the spread."""
+        ok = []
+        for c in cands:
+            g = [c.gain(m.name) for m in self.obj.metrics]
+            if any(x["low"] > 0 for x in g) and all(x["high"] >= 0 for x in g) and \
+                    all(x["median"] >= 0 for x in g):
+                ok.append((sum(x["median"] for x in g), c))
+        return max(ok, key=lambda p: p[0])[1] if ok else None
+
+
+def _defaults(space: SearchSpace) -> dict:
+    """The catalogue defaults of the searched knobs ("auto" resolved, clipped into the space)."""
+    from engine.knobs import CATALOGUE, resolve_knobs
+
+    base = resolve_knobs() if all(k.name in CATALOGUE and CATALOGUE[k.name] is k for k in space.knobs) \
+        else {k.name: k.default for k in space.knobs}
+    values = dict(space.fixed)
+    for k in space.knobs:
+        v = base[k.name]
+        if isinstance(v, int) and not isinstance(v, bool) and k.choices is None:
+            low, high = space.bounds(k, values)
+            v = min(max(v, low), high)
+        values[k.name] = v
+    return {k.name: values[k.name] for k in space.knobs}
+
+
+def _rank_gain(metrics, trial, done) -> list[float]:
+    """For ordering a Pareto front: each value's gain over the median of all completed trials."""
+    out = []
+    for i, m in enumerate(metrics):
+        ref = statistics.median(t.values[i] for t in done)
+        out.append(m.gain(trial.values[i], ref) if ref and trial.values[i] else 0.0)
+    return out
