@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM
 from engine.errors import MoetuneError
-from engine.llm import RequestOutput, SamplingParams, _Request
+from engine.llm import RequestOutput, SamplingParams
+from engine.scheduler import Request as _Request
 from engine.sampling import Sampler
 from hf_oracle import build_hf_model, hf_logits, rel_err, save_checkpoint
 

@@ -58,7 +58,8 @@ def test_naive_and_absorbed_decode_agree(oracle):
 
 
 def _stepwise_logits(llm, prompt, n):
-    from engine.llm import _Request, RequestOutput
+    from engine.llm import RequestOutput
+    from engine.scheduler import Request as _Request
     from engine.sampling import Sampler
 
     params = SamplingParams(max_tokens=n, ignore_eos=True)
