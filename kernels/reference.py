@@ -131,7 +131,7 @@ def fused_moe(
     x [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; topk_weights [T, K] float32;
     topk_ids [T, K] int → [T, D] in x.dtype, accumulated in float32.
     """
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     for e in flat_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -152,7 +152,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     t, s = q.shape[0], k.shape[0]
     scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
-    visible = torch.arange(s).unsqueeze(0) <= (torch.arange(t) + (s - t)).unsqueeze(1)
+    keys = torch.arange(s, device=q.device)
+    visible = keys.unsqueeze(0) <= (torch.arange(t, device=q.device) + (s - t)).unsqueeze(1)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hts,shd->thd", probs, v.float()).to(q.dtype)
 
@@ -180,7 +181,7 @@ def mla_decode(
     Returns the attention-weighted latent [B, H, R] in q_lat.dtype (W_UV is applied by the caller).
     """
     r = q_lat.shape[-1]
-    out = torch.empty(q_lat.shape, dtype=torch.float32)
+    out = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
     for b in range(q_lat.shape[0]):
         kv = gather_paged(kv_cache, block_tables[b], int(seq_lens[b])).float()  # [S, R + P]
         scores = (q_lat[b].float() @ kv[:, :r].T + q_pe[b].float() @ kv[:, r:].T) * scale  # [H, S]
