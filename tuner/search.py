@@ -113,11 +113,18 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
-def open_study(name: str, metrics: tuple[Metric, ...], storage: str | None, cfg: TuneConfig) -> optuna.Study:
-    """Create or resume the study `name` (TPE multivariate, clearly-worse pruner)."""
+def open_study(name: str, metrics: tuple[Metric, ...], storage, cfg: TuneConfig) -> optuna.Study:
+    """Create or resume the study `name` (TPE multivariate, clearly-worse pruner) in `storage`:
+    a URL (sqlite:///..., postgresql://...), ":memory:", an Optuna storage, or None (SQLite in
+    the results folder)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    store = optuna.storages.RDBStorage(storage or default_storage())
+    if isinstance(storage, optuna.storages.BaseStorage):
+        store = storage
+    elif storage == ":memory:":  # for tests and throw-away runs
+        store = optuna.storages.InMemoryStorage()
+    else:
+        store = optuna.storages.RDBStorage(storage or default_storage())
     sampler = optuna.samplers.TPESampler(multivariate=True, seed=cfg.seed, n_startup_trials=5)
     dirs = [m.direction for m in metrics]
     return optuna.create_study(storage=store, study_name=name, sampler=sampler, load_if_exists=True,
