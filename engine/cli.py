@@ -9,7 +9,7 @@ import sys
 def _generate(args) -> int:
     from engine.llm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, knobs=dict(args.knob or []))
+    llm = LLM(args.model, dtype=args.dtype, knobs=dict(args.knob or []), device=args.device)
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
@@ -53,6 +53,12 @@ def _presets(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from engine.server import serve
+
+    return serve(args)
+
+
 def _knob(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
@@ -76,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the whole model, weights and KV cache on the GPU (Triton kernels)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
     g.set_defaults(func=_generate)
@@ -89,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")
     p.add_argument("--build", action="append", metavar="NAME")
     p.set_defaults(func=_presets)
+
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("--model", default="small", help="preset name (tiny, small) or checkpoint directory")
+    s.add_argument("--profile", help="tuned profile TOML (default: this machine's profile for the model, if any)")
+    s.add_argument("--force-profile", action="store_true", help="accept a profile tuned on another machine")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    s.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
+    s.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
+    s.set_defaults(func=_serve)
 
     from dashboards.report import add_parser as add_report
     from results.commands import add_parser as add_results
