@@ -177,6 +177,7 @@ class Server:
         return {"model": self.name, "path": str(self.llm.path), "model_key": self.llm.model_key,
                 "dtype": str(self.llm.dtype).removeprefix("torch."), "profile": self.profile_info(),
                 "knobs": self.llm.knobs, "max_model_len": self.llm.max_context,
+                "vocab_size": self.llm.config.vocab_size,
                 "kv_blocks_total": state["kv_total"], "kv_blocks_used": state["kv_used"],
                 "kv_block_size": self.llm.cache.block_size, "requests_waiting": state["waiting"],
                 "requests_running": state["running"], "preemptions": state["preemptions"]}
@@ -197,10 +198,9 @@ class Server:
             ev = await gen.result(http)
             return response(ev.text, ev.finish_reason, Usage.of(gen.prompt_tokens, ev.num_tokens))
 
-        async def chunks():
+        async def chunks():  # one chunk per token (its text may be held back: see _stable)
             async for delta, ev in gen.deltas():
-                if delta or ev.finish_reason:
-                    yield _sse(response(delta, ev.finish_reason))
+                yield _sse(response(delta, ev.finish_reason))
 
         return self._stream(gen, chunks(), lambda usage: _sse(response("", None, usage).model_copy(
             update={"choices": []})), body)
@@ -225,11 +225,8 @@ class Server:
 
         async def chunks():
             yield chunk(ChatDelta(role="assistant", content=""))
-            async for delta, ev in gen.deltas():
-                if delta:
-                    yield chunk(ChatDelta(content=delta))
-                if ev.finish_reason:
-                    yield chunk(ChatDelta(), ev.finish_reason)
+            async for delta, ev in gen.deltas():  # one chunk per token, as for completions
+                yield chunk(ChatDelta(content=delta), ev.finish_reason)
 
         return self._stream(gen, chunks(), lambda usage: _sse(ChatChunk(
             id=rid, created=created, model=self.name, choices=[], usage=usage)), body)

@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from server_util import ServerProcess, get, post_json, wait_idle
+from server_util import get, post_json, wait_idle
+from suites.live_server import ServerProcess
 
 # 64 blocks of 16 tokens: 32 clients of ≈ 60 tokens each need twice that, so requests wait for
 # admission and get preempted while the others decode.
@@ -328,3 +329,20 @@ def test_auto_profile_lookup(tmp_path, monkeypatch, caplog):
     assert llm.profile.path == path and llm.knobs["chunked_prefill_size"] == 32
     assert f"running with tuned profile {path}" in caplog.text
     assert json.dumps(llm.profile.knobs) == '{"chunked_prefill_size": 32}'
+
+
+# ---------------------------------------------------------------- the load suite
+
+
+def test_load_suite_against_the_server(server):
+    from suites.serving import loopback_target, make_prompts, run_load, summarize
+
+    prompts = make_prompts(4, 12, 512, seed=0)
+    assert prompts == make_prompts(4, 12, 512, seed=0) and len(prompts[0]) == 12
+    results, duration = run_load("127.0.0.1", server.port, "tiny", prompts, 6, concurrency=2, rate=50.0, seed=0)
+    summary = summarize(results, duration, 12)
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert all(r.output_tokens == 6 and len(r.chunk_times) == 6 for r in results)
+    assert 0 < summary["ttft_s"]["median"] <= summary["e2e_s"]["p99"] and len(summary["itl_s"]["samples"]) == 20
+    with pytest.raises(SystemExit, match="loopback"):
+        loopback_target("http://example.com:8000")
