@@ -1,14 +1,17 @@
 # Two commands set everything up on a fresh machine:
-#   make run    generate text with the built-in default model (creates .venv on first use)
-#   make test   run the test suite (creates .venv on first use)
+#   make run    tune this machine for the built-in default model (≈10 min), write its profile and
+#               report (creates .venv on first use); `make generate` generates text with it
+#   make test   run the test suite (creates .venv on first use; installs PostgreSQL and Chromium
+#               from Debian's packages for the tests that need them)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   ?= small
 PROMPT  ?= The fastest way to run a mixture of experts on a CPU is
+BUDGET  ?= 10m
 
-.PHONY: run test venv clean
+.PHONY: run generate test venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,9 +23,14 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/moetune autotune --model $(MODEL) --time-budget $(BUDGET)
+	$(BIN)/moetune report
+
+generate: $(STAMP)
 	$(BIN)/moetune generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(STAMP)
+	bash tests/ensure_services.sh
 	$(BIN)/python -m pytest -q
 
 clean:

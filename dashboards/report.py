@@ -87,7 +87,8 @@ def _write(path: Path, title: str, parts: list[str]) -> None:
 
 
 def _div(fig, div_id: str, title: str) -> str:
-    fig.update_layout(title=title, height=420, margin=dict(l=60, r=20, t=50, b=50))
+    top = max(50, fig.layout.margin.t or 0)
+    fig.update_layout(title=title, height=420, margin=dict(l=60, r=20, t=top, b=50))
     return f'<div class="fig">{fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)}</div>'
 
 
@@ -171,7 +172,9 @@ def parallel_figure(rows):
                              tickvals=list(range(len(cats))), ticktext=cats))
     y = ok["median"].astype(float).tolist()
     dims.append(dict(label=ok["metric"].iloc[0] if len(ok) else "value", values=y))
-    return go.Figure(go.Parcoords(dimensions=dims, line=dict(color=y, colorscale="Viridis", showscale=True)))
+    fig = go.Figure(go.Parcoords(dimensions=dims, line=dict(color=y, colorscale="Viridis", showscale=True)))
+    fig.update_layout(margin=dict(t=110))
+    return fig
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

@@ -9,7 +9,8 @@ import sys
 def _generate(args) -> int:
     from engine.llm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, knobs=dict(args.knob or []), device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, knobs=dict(args.knob or []), device=args.device,
+              profile=args.profile, force_profile=args.force_profile)
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None or not llm.tokenizer.has_chat_template:
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: the whole model, weights and KV cache on the GPU (Triton kernels)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
+    g.add_argument("--profile", default="auto",
+                   help="tuned profile TOML (default 'auto': this machine's profile for the model, if any)")
+    g.add_argument("--force-profile", action="store_true", help="accept a profile tuned on another machine")
     g.set_defaults(func=_generate)
 
     q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block or INT8-channel")

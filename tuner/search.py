@@ -124,12 +124,24 @@ def open_study(name: str, metrics: tuple[Metric, ...], storage, cfg: TuneConfig)
     elif storage == ":memory:":  # for tests and throw-away runs
         store = optuna.storages.InMemoryStorage()
     else:
-        store = optuna.storages.RDBStorage(storage or default_storage())
+        store = _rdb_storage(storage or default_storage())
     sampler = optuna.samplers.TPESampler(multivariate=True, seed=cfg.seed, n_startup_trials=5)
     dirs = [m.direction for m in metrics]
     return optuna.create_study(storage=store, study_name=name, sampler=sampler, load_if_exists=True,
                                pruner=ClearlyWorsePruner(cfg.prune_factor) if len(dirs) == 1 else None,
                                directions=dirs)
+
+
+def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Open (and on first use create) an RDB storage; processes racing to create its tables retry."""
+    for i in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except Exception:  # noqa: BLE001 - sqlalchemy's IntegrityError/ProgrammingError from the race
+            if i == attempts - 1:
+                raise
+            time.sleep(0.5 * (i + 1))
+    raise AssertionError("unreachable")
 
 
 @dataclass
