@@ -46,10 +46,11 @@ class SeqCache:
 
 
 class LatentKVCache:
-    def __init__(self, num_layers: int, num_tokens: int, block_size: int, width: int, dtype: torch.dtype):
+    def __init__(self, num_layers: int, num_tokens: int, block_size: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.block_size = block_size
         num_blocks = -(-num_tokens // block_size)
-        self.layers = torch.zeros(num_layers, num_blocks, block_size, width, dtype=dtype)
+        self.layers = torch.zeros(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -74,7 +75,7 @@ class LatentKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [T, R + P] at slots [T]."""
-        self.layers[layer].view(-1, self.layers.shape[-1])[slots] = rows.to(self.layers.dtype)
+        self.layers[layer].view(-1, self.layers.shape[-1])[slots.to(self.layers.device)] = rows.to(self.layers.dtype)
 
     def rows(self, layer: int, seq: SeqCache) -> torch.Tensor:
         """The sequence's cached rows [num_tokens, R + P], in token order."""

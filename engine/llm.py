@@ -11,6 +11,7 @@ import torch
 import kernels
 from engine.cache import LatentKVCache, SeqCache
 from engine.config import ModelConfig
+from engine.device import resolve_device, to_device
 from engine.errors import MoetuneError
 from engine.knobs import resolve_knobs
 from engine.invariant import RowwiseOps
@@ -85,12 +86,16 @@ class LLM:
     model: a preset name ("tiny", "small") or a Hugging Face checkpoint directory.
     dtype: activation (and high-precision weight) dtype, "bfloat16" or "float32".
     knobs: overrides of the knob catalogue (engine.knobs), e.g. {"kv_block_size": 32}.
+    device: "cpu", or "cuda" (every layer, the weights and the KV cache on the GPU; the "cuda"
+    kernel backend, whatever kernel_backend says).
     """
 
     def __init__(self, model: str, dtype: str = "bfloat16", profile: str | None = None,
-                 knobs: dict | None = None, progress: bool = True, force_profile: bool = False):
+                 knobs: dict | None = None, progress: bool = True, force_profile: bool = False,
+                 device: str = "cpu"):
         if dtype not in DTYPES:
             raise MoetuneError(f"dtype {dtype!r} is not supported (choose {', '.join(DTYPES)})")
+        self.device = resolve_device(device)
         self.path = resolve_model(model, progress)
         self.config = ModelConfig.from_file(self.path)
         self.model_key = model_key(self.config, _format_name(self.config, dtype))
@@ -99,15 +104,20 @@ class LLM:
         torch.set_num_threads(self.knobs["threads"])
         self.tokenizer = Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").exists() else None
         self.dtype = DTYPES[dtype]
-        weights = load_weights(self.path, self.config, self.dtype, progress)
-        ops = kernels.get_backend(self.knobs["kernel_backend"])
+        weights = to_device(load_weights(self.path, self.config, self.dtype, progress), self.device)
+        ops = kernels.get_backend("cuda" if self.device.type == "cuda" else self.knobs["kernel_backend"])
+        if hasattr(ops, "configure"):  # backends with tile knobs read them from the catalogue
+            try:
+                ops.configure(self.knobs)
+            except ValueError as e:
+                raise MoetuneError(str(e)) from e
         absorb = self.knobs["mla_absorb"]
         if self.knobs["batch_invariant"]:  # see engine/invariant.py
             ops, absorb = RowwiseOps(ops), "always"
         self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=absorb)
         c = self.config
         self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
-                                   c.kv_lora_rank + c.qk_rope_head_dim, self.dtype)
+                                   c.kv_lora_rank + c.qk_rope_head_dim, self.dtype, self.device)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -14,7 +14,10 @@ OPS = (
     "grouped_topk", "fused_moe", "extend_attention", "mla_decode",
 )
 
-_BACKENDS: dict[str, str] = {"reference": "kernels.reference"}
+_BACKENDS: dict[str, str] = {
+    "reference": "kernels.reference",
+    "cuda": "kernels.cuda.backend",  # Triton; imported only when asked for (GPU machines)
+}
 _loaded: dict[str, ModuleType] = {}
 
 

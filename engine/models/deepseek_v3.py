@@ -72,8 +72,9 @@ class DeepseekV3:
 
     def forward(self, batch: Batch, cache: LatentKVCache) -> torch.Tensor:
         """Hidden states after the final norm, [T, D]."""
-        x = F.embedding(batch.token_ids, self.w["embed"])
-        cos, sin = self.rotary(batch.positions)
+        dev = self.w["embed"].device  # the batch is built on the host; the model may live on a GPU
+        x = F.embedding(batch.token_ids.to(dev), self.w["embed"])
+        cos, sin = (t.to(dev) for t in self.rotary(batch.positions))
         residual = x
         h = self.ops.rms_norm(x, self.w["layers.0.attn_norm"], self.cfg.rms_norm_eps)
         for i in range(self.cfg.num_hidden_layers):
@@ -86,8 +87,8 @@ class DeepseekV3:
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, D] → [T, vocab] float32."""
-        return self.ops.linear(hidden, self.w["lm_head"]).float()
+        """[T, D] → [T, vocab] float32, on the host (where sampling runs)."""
+        return self.ops.linear(hidden, self.w["lm_head"]).float().cpu()
 
     # ------------------------------------------------------------ attention (MLA)
 
@@ -122,8 +123,8 @@ class DeepseekV3:
         q_lat = o.head_linear(q_nope, self.w_uk[i])  # [T, H, R]
         rows = [(b, s.num_tokens - n + j + 1) for b, (s, n) in enumerate(zip(batch.seqs, batch.new_lens))
                 for j in range(n)]
-        tables = cache.block_tables(batch.seqs)[[b for b, _ in rows]]
-        lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+        tables = cache.block_tables(batch.seqs)[[b for b, _ in rows]].to(q_lat.device)
+        lens = torch.tensor([n for _, n in rows], dtype=torch.int32, device=q_lat.device)
         out_lat = o.mla_decode(q_lat, q_pe, cache.layers[i], tables, lens, self.scale)
         return o.head_linear(out_lat, self.w_uv[i])  # [T, H, V]
 
