@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     s.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     s.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
     s.set_defaults(func=_serve)
 

@@ -325,7 +325,7 @@ def serve(args) -> int:
     import uvicorn
 
     llm = LLM(args.model, dtype=args.dtype, profile=args.profile or "auto", knobs=dict(args.knob or []),
-              force_profile=args.force_profile)
+              force_profile=args.force_profile, device=args.device)
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
     which = f"tuned profile {llm.profile.path}" if llm.profile else "the default knobs (no tuned profile)"
     log.info("serving %s (%s) with %s on http://%s:%d", name, llm.model_key, which, args.host, args.port)
