@@ -149,7 +149,8 @@ class Report:
                  f"torch {self.meta.get('torch')}, triton {self.meta.get('triton')}, commit "
                  f"{self.meta.get('commit', '?')}; ceilings: copy {self.ceilings.get('copy_gbs', math.nan):.0f} GB/s, "
                  f"bf16 matmul {self.ceilings.get('bf16_tflops', math.nan):.0f} TFLOP/s", "",
-                 "| kernel | variant | dtype | shape | median µs | vs torch | GB/s | % copy | TFLOP/s | % mm | check |",
+                 "| kernel | variant | dtype | shape | median µs | vs torch | GB/s | % copy | TFLOP/s | % mm "
+                 "| check |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in self.results:
             if r.metric not in ("copy_gbs", "bf16_tflops"):  # in the header; their timing rows follow
@@ -287,7 +288,7 @@ class Run:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return self.report.add(Result(kernel, variant, dtype, shape, status="failed",
-                                          error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+                                          error=_one_line(e)))
 
     def timed(self, kernel: str, variant: str, dtype: str, shape: dict, fn: Callable, *, nbytes: int = 0,
               flops: int = 0, knobs: dict | None = None, graph: bool = False, torch_s: float | None = None) -> Result:
@@ -315,6 +316,11 @@ class Run:
         err = rel_err(out, ref)
         return Result(kernel, variant, dtype, shape, metric="rel_err", value=err,
                       status="ok" if err <= tol else "wrong", extra={"tol": tol})
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
 
 
 def _meta(args, device: torch.device) -> dict:

@@ -122,8 +122,8 @@ def checks(run: Run) -> None:
     if run.device.type == "cuda":
         run.guarded("fused_moe", "check-graph", "fp8", {"T": 8}, lambda: _check_moe_graph(run, 8))
     for h in run.shapes.mla_heads:
-        run.guarded("mla_decode", "check", _act(run)[1], {"H": h, "lens": "/".join(map(str, run.shapes.check_mla_lens))},
-                    lambda: _check_mla(run, h))
+        lens = "/".join(map(str, run.shapes.check_mla_lens))
+        run.guarded("mla_decode", "check", _act(run)[1], {"H": h, "lens": lens}, lambda: _check_mla(run, h))
 
 
 def _check_quant(run: Run) -> None:
@@ -136,8 +136,9 @@ def _check_quant(run: Run) -> None:
         q, s = fp8_gemm.quantize_act_fp8(x, run.tiles.fp8_quant)
         rq, rs = quantize_activation_fp8(x)
         mismatched = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
-        r = run.check("act_quant", name, {"M": 37, "K": x.shape[1]}, q.float() * s.repeat_interleave(128, 1)[:, :x.shape[1]],
-                      rq.float() * rs.repeat_interleave(128, 1)[:, :x.shape[1]], 1e-3)
+        k = x.shape[1]
+        r = run.check("act_quant", name, {"M": 37, "K": k}, q.float() * s.repeat_interleave(128, 1)[:, :k],
+                      rq.float() * rs.repeat_interleave(128, 1)[:, :k], 1e-3)
         r.extra.update(mismatched_fp8=mismatched, scales_equal=bool(torch.equal(s, rs)))
         return r
     run.guarded("act_quant", "check", name, {"M": 37}, check)
@@ -356,9 +357,9 @@ def _time_mla(run: Run, h: int, b: int, tiles: MlaTiles | None = None, torch_s=N
         torch_s = tr.median if tr is not None and tr.status == "ok" else None
     tiles = tiles or run.tiles.mla
     variant = "ours" if tiles == run.tiles.mla else "ours-sweep"
+    fn = lambda: mla.mla_decode(q_lat, q_pe, cache, tables, lens, scale, tiles=tiles)  # noqa: E731
     r = run.guarded("mla_decode", variant, name, shape, lambda: run.timed(
-        "mla_decode", variant, name, shape, lambda: mla.mla_decode(q_lat, q_pe, cache, tables, lens, scale, tiles=tiles),
-        nbytes=nbytes, flops=flops, knobs=_knobs(tiles, MLA), torch_s=torch_s))
+        "mla_decode", variant, name, shape, fn, nbytes=nbytes, flops=flops, knobs=_knobs(tiles, MLA), torch_s=torch_s))
     if r is not None and r.status == "ok":
         r.extra["splits"] = tiles.kv_splits or mla.auto_splits(b, h, tiles.head_block, _sms(run))
     return torch_s

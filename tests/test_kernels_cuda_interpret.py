@@ -124,7 +124,8 @@ def test_quantizer_takes_fp16_and_empty():
 
 # ---------------------------------------------------------------- FP8 block GEMM
 
-GEMM_TILES = [Fp8GemmTiles(32, 64, 128, 4, 4, 3), Fp8GemmTiles(16, 32, 64, 1, 2, 2), Fp8GemmTiles(64, 128, 32, 8, 8, 3)]
+GEMM_TILES = [Fp8GemmTiles(32, 64, 128, 4, 4, 3), Fp8GemmTiles(16, 32, 64, 1, 2, 2),
+              Fp8GemmTiles(64, 128, 32, 8, 8, 3)]
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 128, 128), (37, 200, 300), (64, 256, 256), (3, 130, 129)])
@@ -392,7 +393,7 @@ def test_backend_ops_against_reference():
     assert_close(backend.linear(x, q8), reference.linear(x, q8), 1e-6, "int8 linear")
     f8 = quantize_fp8_block(w)
     assert_close(backend.linear(x, f8), linear_fp8_w8a8(x, f8), 1e-5, "fp8 linear")
-    q, k, v = (torch.randn(3, 4, 24, generator=g), torch.randn(7, 4, 24, generator=g), torch.randn(7, 4, 16, generator=g))
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((3, 4, 24), (7, 4, 24), (7, 4, 16)))
     assert_close(backend.extend_attention(q, k, v, 0.2), reference.extend_attention(q, k, v, 0.2), 1e-5, "extend")
     hw = torch.randn(4, 8, 24, generator=g)
     assert_close(backend.head_linear(q, hw), reference.head_linear(q, hw), 1e-5, "head_linear")
