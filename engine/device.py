@@ -38,7 +38,7 @@ def _move(value, device: torch.device, moved: dict):
         fields = {k: getattr(value, k) for k in value.__dataclass_fields__}
         return type(value)(**{k: _move(v, device, moved) if isinstance(v, torch.Tensor) else v
                               for k, v in fields.items()})
-    raise TypeError(f"cannot move {type(value).__name__} to {device}")
+    return value  # plain Python values (none today) stay as they are
 
 
 def to_device(weights: dict, device: torch.device) -> dict:
