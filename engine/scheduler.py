@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,7 +50,6 @@ class Request:
     t_first: float = 0.0  # when the first token was sampled
     num_preemptions: int = 0
     id: int = field(default_factory=lambda: next(_ids))
-    user: Any = None  # the owner's handle (the server's stream), never read here
 
     def __post_init__(self):
         if self.sampler is None:
