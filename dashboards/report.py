@@ -243,9 +243,12 @@ def roofline_figure(kern, probe):
 
     extra = [json.loads(e) if isinstance(e, str) else {} for e in kern["extra"]]
     work = [json.loads(w) if isinstance(w, str) else {} for w in kern["workload"]]
-    pts = [(x.get("flops", 0) / max(1, x.get("bytes", 1)), x.get("flops", 0) / t / 1e9,
-            f"{w.get('op', '?')} {w.get('format', '')} T={w.get('tokens', '')}")
-           for x, w, t in zip(extra, work, kern["median"]) if t and t > 0 and x.get("bytes")]
+    pts = []
+    for x, w, t in zip(extra, work, kern["median"]):
+        nbytes = x.get("bytes") or (x.get("gbps", 0) * 1e9 * t if t == t else 0)
+        if t and t > 0 and nbytes and x.get("flops"):
+            pts.append((x["flops"] / nbytes, x["flops"] / t / 1e9,
+                        f"{w.get('op', '?')} {w.get('format', '')} T={w.get('tokens', '')}"))
     fig = go.Figure()
     if pts:
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name="kernels",

@@ -58,18 +58,24 @@ def run_autotune(args) -> int:
     return _system(args, cfg, t0)
 
 
-def _system(args, cfg, t0: float) -> int:
+def _model_key(args) -> str:
     from engine.config import ModelConfig
     from engine.llm import _format_name
     from engine.weights.presets import resolve_model
+    from tuner.profile import model_key
+
+    cfg = ModelConfig.from_file(resolve_model(args.model, True))
+    return model_key(cfg, _format_name(cfg, args.dtype))
+
+
+def _system(args, cfg, t0: float) -> int:
     from tuner.fingerprint import fingerprint
     from tuner.objectives import SystemObjective, shared_weights
-    from tuner.profile import find_profile, model_key
+    from tuner.profile import find_profile
     from tuner.search import Tuner
     from tuner.space import SearchSpace
 
-    path = resolve_model(args.model, True)
-    mkey = model_key(ModelConfig.from_file(path), _format_name(ModelConfig.from_file(path), args.dtype))
+    mkey = _model_key(args)
     obj = SystemObjective(args.objective, args.model, args.dtype, args.prompt_len, args.decode,
                           args.batch, args.latency_limit, format=mkey.rsplit("-", 1)[1])
     prior = find_profile(mkey)
@@ -105,10 +111,10 @@ def _kernels(args, cfg, t0: float) -> int:
     if cfg.time_budget_s is not None:
         cfg.time_budget_s /= sum(len(op.formats) * len(op.buckets) for op in ops.values())
     tables = {name: tune_op(op, cfg, args.storage) for name, op in ops.items()}
-    hw = fingerprint()["hardware_key"]
-    path = profile_path(hw, "kernels")
-    prof = load_profile(path) if path.is_file() else Profile(_meta("kernels", "kernel tier", None, {}, {}))
-    prof.kernel_tables.update(tables)
+    mkey = _model_key(args)
+    path = profile_path(fingerprint()["hardware_key"], mkey)
+    prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))
+    prof.kernel_tables.update(tables)  # the system tier's knobs in the same profile are kept
     print(f"kernel tables for {', '.join(tables)}: {save_profile(prof, path)}")
     return 0
 
@@ -168,7 +174,9 @@ class _Progress:
         self.tuner, self.t0 = tuner, time.monotonic()
         self.by_time = cfg.trials is None
         total = cfg.time_budget_s if self.by_time else cfg.trials
-        self.bar = tqdm(total=round(total or 0), unit="s" if self.by_time else "trial",
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s [{elapsed}<{remaining}{postfix}]" \
+            if self.by_time else None
+        self.bar = tqdm(total=round(total or 0), unit="s" if self.by_time else "trial", bar_format=fmt,
                         desc="autotune", dynamic_ncols=True, initial=0 if self.by_time else tuner.finished())
 
     def __enter__(self):

@@ -54,9 +54,13 @@ def register_kernel_op(op: KernelOp) -> None:
 
 
 def kernel_ops() -> dict[str, KernelOp]:
-    """The registered ops (importing suites.kernels first, where the real adapters live)."""
+    """The registered ops: the cpu backend's (tuner.cpu_ops, where it runs) and any that
+    suites.kernels registers."""
+    from tuner.cpu_ops import register_cpu_ops
+
+    register_cpu_ops()
     try:
-        import suites.kernels  # noqa: F401 - registers its adapters
+        import suites.kernels  # noqa: F401 - may register adapters of its own
     except ImportError:
         pass
     return dict(_OPS)
@@ -89,7 +93,8 @@ class KernelObjective:
 
     def __post_init__(self):
         self.name = f"kernel-{self.op.name}"
-        self.workload = {"op": self.op.name, **self.bucket}
+        self.workload = {"op": self.op.name, "format": self.format, **self.bucket}
+        self.extra = self.op.work(self.bucket, self.format) if self.op.work else {}
         self._args = self.op.make_inputs(self.bucket, self.format)
         self._ref = self.op.reference(self._args)
 

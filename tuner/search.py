@@ -187,12 +187,14 @@ class Tuner:
         self.defaults = _defaults(space)
         self._call_s: list[float] = []  # seconds per runner call, to size the confirmation
         self._prepare_s: list[float] = []
+        self._deadline = math.inf
 
     # ------------------------------------------------------------ search
 
     def run(self, on_trial: Callable[["Tuner", optuna.trial.FrozenTrial], None] | None = None) -> TuneResult:
         """Search until `trials` or the time budget, then confirm; Ctrl-C stops cleanly."""
         t0 = time.monotonic()
+        self._deadline = t0 + self.cfg.time_budget_s if self.cfg.time_budget_s is not None else math.inf
         self._enqueue_seeds()
         interrupted = False
         try:
@@ -216,7 +218,7 @@ class Tuner:
         if self.cfg.time_budget_s is None:
             return self.cfg.trials is not None
         left = self.cfg.time_budget_s - (time.monotonic() - t0)
-        return left > self.confirm_estimate_s() + self.trial_estimate_s()
+        return left > 1.5 * self.confirm_estimate_s() + self.trial_estimate_s()  # margin: noisy machines
 
     def trial_estimate_s(self) -> float:
         call = statistics.median(self._call_s) if self._call_s else 0.0
@@ -301,7 +303,8 @@ class Tuner:
                  "unit": m.unit, "direction": m.direction, "samples": samples.get(m.name, []),
                  "status": status, "error": error or None, "model": self.obj.model,
                  "format": self.obj.format, "workload": self.obj.workload,
-                 "extra": {"label": label, "objective": self.obj.name} if label else {"objective": self.obj.name}}
+                 "extra": {**getattr(self.obj, "extra", {}), "objective": self.obj.name,
+                           **({"label": label} if label else {})}}
                 for m in self.obj.metrics]
         try:
             append_rows(rows, suite or self.suite, run_id=self.run_id)
@@ -340,10 +343,14 @@ class Tuner:
         if "defaults" not in runners:
             return TuneResult(self.study_name, None, {}, False, cands, self.obj.metrics, self.finished())
         for r in range(self.cfg.confirm_rounds):
+            t = time.monotonic()
             order = cands[r % len(cands):] + cands[:r % len(cands)]  # rotate who goes first
             for c in order:
                 for name, v in runners[c.label]().items():
                     c.samples.setdefault(name, []).append(float(v))
+            if r >= 1 and time.monotonic() + (time.monotonic() - t) > self._deadline:
+                log.info("confirmation cut to %d rounds by the time budget", r + 1)
+                break
         self._pair_gains(cands)
         for c in cands:
             number = int(c.label.split()[1]) if c.label != "defaults" else None

@@ -1,0 +1,67 @@
+"""`moetune autotune` end to end on the tiny preset: Ctrl-C stops cleanly, the rerun resumes and
+writes a profile with its gain table; `moetune results` and `moetune report` read what it stored."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import optuna
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def moetune(*args, env, **kw):
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def finished(url: str, name: str) -> int:
+    try:
+        study = optuna.load_study(study_name=name, storage=url)
+    except KeyError:
+        return 0
+    return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+def test_interrupt_resume_profile_report(tmp_path):
+    env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "results"),
+           "MOETUNE_PROFILES": str(tmp_path / "profiles"), "PYTHONPATH": str(ROOT)}
+    url = f"sqlite:///{tmp_path}/study.sqlite3"
+    common = ["autotune", "--model", "tiny", "--repeats", "1", "--storage", url, "--study", "cli", "--seed", "0"]
+    p = moetune(*common, "--trials", "200", env=env)
+    deadline = time.monotonic() + 240
+    while finished(url, "cli") < 3 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)  # Ctrl-C
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert "rerun the same command to resume" in out
+    done = finished(url, "cli")
+    assert 3 <= done < 200
+    assert not list((tmp_path / "profiles").glob("*.toml"))  # nothing written on an interrupted run
+
+    p = moetune(*common, "--trials", str(done + 3), env=env)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert finished(url, "cli") >= done + 3
+    assert "defaults" in out and "gain" in out and "profile: " in out
+    profile = next((tmp_path / "profiles").glob("*.toml"))
+    meta = tomllib.loads(profile.read_text())["meta"]
+    assert meta["study"] == "cli" and set(meta["gain"]) == {"tpot_s"} and len(meta["gain_spread"]["tpot_s"]) == 2
+
+    p = moetune("results", "--suite", "autotune-confirm", env=env)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and "autotune-confirm" in out
+    p = moetune("report", "--out", str(tmp_path / "report"), env=env)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and (tmp_path / "report" / "study-cli.html").is_file()
+
+
+def test_user_mistakes_are_one_line(tmp_path):
+    env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    p = moetune("autotune", "--time-budget", "ten minutes", env=env)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "duration" in err

@@ -1,0 +1,82 @@
+"""Kernel-tier adapters for the "cpu" backend (kernels/cpu): linear and fused MoE with tile knobs.
+
+Registered by `register_cpu_ops()` (called from tuner.kernel_tier.kernel_ops) only when the
+backend imports on this machine and its knobs (kernels.cpu.KNOB_DEFAULTS) are in the catalogue.
+Shapes are the `small` preset's (D = 2048, I = 1408, top-6) with 8 experts, so one configuration
+is checked and timed in seconds; the verify step compares with kernels.reference on the same
+quantized weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.knobs import CATALOGUE
+from tuner.kernel_tier import KernelOp, register_kernel_op
+
+D, I, E, TOPK, N_LINEAR = 2048, 1408, 8, 6, 2048
+FORMATS = ("bf16", "int8", "fp8", "int4")
+BUCKETS = ({"tokens": 1}, {"tokens": 16}, {"tokens": 128})
+
+
+def quantized(w: torch.Tensor, fmt: str):
+    """A float32 weight [..., N, K] in `fmt` (kernels.formats)."""
+    from kernels import formats
+
+    if fmt == "bf16":
+        return formats.DenseWeight(w.to(torch.bfloat16))
+    return {"int8": formats.quantize_int8_channel, "fp8": formats.quantize_fp8_block,
+            "int4": formats.quantize_int4_group}[fmt](w)
+
+
+def _linear_inputs(bucket: dict, fmt: str) -> tuple:
+    import kernels.cpu as cpu
+
+    g = torch.Generator().manual_seed(bucket["tokens"])
+    w = quantized(torch.randn(N_LINEAR, D, generator=g) * 0.02, fmt)
+    return torch.randn(bucket["tokens"], D, generator=g).to(torch.bfloat16), cpu.prepare(w), w
+
+
+def _moe_inputs(bucket: dict, fmt: str) -> tuple:
+    import kernels.cpu as cpu
+
+    t = bucket["tokens"]
+    g = torch.Generator().manual_seed(t)
+    w13 = quantized(torch.randn(E, 2 * I, D, generator=g) * 0.02, fmt)
+    w2 = quantized(torch.randn(E, D, I, generator=g) * 0.02, fmt)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, TOPK, generator=g), -1)
+    x = torch.randn(t, D, generator=g).to(torch.bfloat16)
+    return x, cpu.prepare(w13), cpu.prepare(w2), weights, ids, w13, w2
+
+
+def _linear_work(bucket: dict, fmt: str) -> dict:
+    bits = {"bf16": 16, "int8": 8, "fp8": 8, "int4": 4}[fmt]
+    return {"bytes": N_LINEAR * D * bits // 8, "flops": 2 * bucket["tokens"] * N_LINEAR * D}
+
+
+def _moe_work(bucket: dict, fmt: str) -> dict:
+    bits = {"bf16": 16, "int8": 8, "fp8": 8, "int4": 4}[fmt]
+    touched = min(E, bucket["tokens"] * TOPK)
+    return {"bytes": touched * 3 * I * D * bits // 8, "flops": 2 * bucket["tokens"] * TOPK * 3 * I * D}
+
+
+def register_cpu_ops() -> bool:
+    """Register linear and fused_moe when the cpu backend runs here; False (and nothing) otherwise."""
+    try:
+        import kernels.cpu as cpu
+        from kernels import reference
+    except ImportError:
+        return False
+    names = tuple(n for n in getattr(cpu, "KNOB_DEFAULTS", {}) if n in CATALOGUE)
+    if not names:
+        return False
+    register_kernel_op(KernelOp(
+        "linear", names, FORMATS, BUCKETS, _linear_inputs,
+        run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
+        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work))
+    register_kernel_op(KernelOp(
+        "fused_moe", names, FORMATS, BUCKETS, _moe_inputs,
+        run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
+        reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2, rtol=3e-2,
+        work=_moe_work))
+    return True
