@@ -54,7 +54,7 @@ def _act_quant_kernel(
     tl.store(s_ptr + rows * stride_sm + g, scale, mask=rows < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count (M = 1 included)
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,

@@ -25,7 +25,7 @@ from kernels.cuda.tiles import GemmTiles, QuantTiles
 from kernels.formats import DenseWeight, Fp8BlockWeight
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])  # one kernel for every batch size
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_ptr,
     rows_ptr, expert_ptr, count_ptr,

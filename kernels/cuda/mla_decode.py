@@ -22,7 +22,7 @@ from kernels.cuda.tiles import MlaTiles
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_split_kernel(
     q_lat_ptr, q_pe_ptr, kv_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     H, R, P, block_size, num_splits, scale_log2,
@@ -74,7 +74,7 @@ def _mla_split_kernel(
     tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, R, num_splits,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
