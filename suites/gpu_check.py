@@ -260,12 +260,12 @@ class Run:
     """State shared by the stages: device, clock, report, tiles, deadline, shapes."""
 
     def __init__(self, args, device: torch.device, shapes: Shapes, report: Report):
-        from engine.knobs import resolve_knobs
+        from engine.knobs import CATALOGUE
         from kernels.cuda.tiles import CudaTiles
 
         self.args, self.device, self.shapes, self.report = args, device, shapes, report
         self.clock = Clock(device, reps=1 if args.smoke else (5 if args.quick else 10), warmup=0 if args.smoke else 3)
-        self.knobs = resolve_knobs()
+        self.knobs = {n: k.default for n, k in CATALOGUE.items() if k.component == "kernels/cuda"}
         self.tiles = CudaTiles.from_knobs(self.knobs)
         self.deadline = time.monotonic() + args.budget_s
         self.gen = torch.Generator(device=device).manual_seed(0)

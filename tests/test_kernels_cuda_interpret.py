@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kernels
-from engine.knobs import CATALOGUE, resolve_knobs
+from engine.knobs import CATALOGUE
 from kernels import reference
 from kernels.formats import DenseWeight, Fp8BlockWeight, quantize_fp8_block, quantize_int8_channel
 from kernels.fp8_act import fused_moe_fp8_w8a8, linear_fp8_w8a8, quantize_activation_fp8
@@ -52,7 +52,15 @@ def _import_interpreted() -> dict:
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 _mods = _import_interpreted()
 fp8_gemm, fused_moe_mod, mla_mod, backend = (_mods[n] for n in ("fp8_gemm", "fused_moe", "mla_decode", "backend"))
-TILES = CudaTiles.from_knobs(resolve_knobs())
+
+
+def cuda_knobs() -> dict:
+    """The catalogue's defaults of the cuda_* knobs (without resolving other components' "auto"
+    knobs, which these tests do not need)."""
+    return {n: k.default for n, k in CATALOGUE.items() if k.component == "kernels/cuda"}
+
+
+TILES = CudaTiles.from_knobs(cuda_knobs())
 assert os.environ.get("TRITON_INTERPRET") == _ENV_BEFORE
 
 
@@ -375,16 +383,15 @@ def test_backend_needs_configure_and_every_cuda_knob_is_read():
     backend._tiles = None
     with pytest.raises(RuntimeError, match="configure"):
         backend.tiles()
-    tiles = backend.configure(resolve_knobs())
-    cuda_knobs = {n for n, k in CATALOGUE.items() if k.component == "kernels/cuda"}
-    assert cuda_knobs == set(CudaTiles.knob_names())
+    tiles = backend.configure(cuda_knobs())
+    assert set(cuda_knobs()) == set(CudaTiles.knob_names())
     assert tiles == TILES
     with pytest.raises(ValueError, match="power of two"):
-        backend.configure({**resolve_knobs(), "cuda_moe_block_m": 48})
+        backend.configure({**cuda_knobs(), "cuda_moe_block_m": 48})
 
 
 def test_backend_ops_against_reference():
-    backend.configure(resolve_knobs())
+    backend.configure(cuda_knobs())
     g = _gen(21)
     x = torch.randn(5, 256, generator=g)
     w = torch.randn(72, 256, generator=g)
@@ -400,7 +407,7 @@ def test_backend_ops_against_reference():
 
 
 def test_backend_moe_falls_back_to_reference_for_int8_experts():
-    backend.configure(resolve_knobs())
+    backend.configure(cuda_knobs())
     g = _gen(5)
     tw, ti = _routing(3, 2, 4, seed=1)
     x = torch.randn(3, 64, generator=g)
@@ -417,7 +424,7 @@ def test_engine_tiny_model_on_cuda_backend_matches_reference():
     tensors): prefill logits and greedy decoding (mla_decode, masked MoE) agree with the reference."""
     from engine.llm import LLM, SamplingParams
 
-    llm = LLM("tiny", dtype="float32", progress=False)
+    llm = LLM("tiny", dtype="float32", progress=False, knobs={"kernel_backend": "reference"})
     ids = [3, 17, 42, 7, 99, 5, 250, 11]
     ref_logits = llm.logits(ids)
     ref_out = llm.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids

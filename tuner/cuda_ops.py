@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from engine.knobs import CATALOGUE, resolve_knobs
+from engine.knobs import CATALOGUE
 from tuner.kernel_tier import KernelOp, register_kernel_op
 
 D, I, E, TOPK = 7168, 2048, 64, 8
@@ -33,7 +33,8 @@ def _names(prefix: str, exclude: tuple = ()) -> tuple[str, ...]:
 def _tiles(knobs: dict):
     from kernels.cuda.tiles import CudaTiles
 
-    return CudaTiles.from_knobs({**resolve_knobs(), **knobs})
+    defaults = {n: k.default for n, k in CATALOGUE.items() if k.component == "kernels/cuda"}
+    return CudaTiles.from_knobs({**defaults, **knobs})
 
 
 def _synced(out):
