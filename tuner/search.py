@@ -6,8 +6,8 @@
 One trial: knobs sampled (TPE, multivariate) → objective.prepare(knobs) (load / build / verify
 against the reference: a wrong answer raises WrongAnswer) → warm-up calls → repeats, each giving
 one sample per metric; the value is the median, every sample is kept (Parquet store, suite
-"autotune"). After the first repeat a trial clearly worse than the best so far (factor
-`prune_factor`) is pruned. Failures (exceptions, wrong answers, timeouts, out of memory) are told to
+"autotune"). A trial whose best of its first two repeats is clearly worse than the best so far
+(factor `prune_factor`) is pruned. Failures (exceptions, wrong answers, timeouts, out of memory) are told to
 Optuna as FAIL and stored with their reason: they can never be chosen.
 
 The first trials are the defaults and the last profile's knobs (enqueue_trial). The study lives in
@@ -82,7 +82,7 @@ class TuneConfig:
     time_budget_s: float | None = None  # wall time of this run, confirmation included
     warmup: int = 1
     repeats: int = 3
-    prune_factor: float = 1.5  # a first repeat this much worse than the best is pruned
+    prune_factor: float = 1.5  # a trial whose first two repeats are this much worse is pruned
     trial_timeout_s: float | None = None
     finalists: int = 3  # candidates re-measured against the defaults
     confirm_rounds: int = 3
@@ -267,12 +267,16 @@ class Tuner:
         deadline = t + self.cfg.trial_timeout_s if self.cfg.trial_timeout_s else math.inf
         for _ in range(self.cfg.warmup):
             self._timed_call(runner, deadline)
+        first = self.obj.metrics[0].name
         for i in range(self.cfg.repeats):
             for name, value in self._timed_call(runner, deadline).items():
                 samples.setdefault(name, []).append(float(value))
-            if i == 0 and len(self.obj.metrics) == 1:
-                trial.report(samples[self.obj.metrics[0].name][0], 0)
-                if trial.should_prune():
+            if i < 2 and len(self.obj.metrics) == 1 and i < self.cfg.repeats - 1:
+                best = min(samples[first]) if self.obj.metrics[0].direction == "minimize" else max(samples[first])
+                trial.report(best, i)
+                # Pruned only when the best of two samples is clearly worse: one sample taken
+                # during a burst of load from elsewhere must not end a good configuration.
+                if trial.should_prune() and (i == 1 or self.cfg.repeats == 2):
                     raise optuna.TrialPruned()
 
     def _timed_call(self, runner, deadline: float) -> dict[str, float]:
