@@ -32,7 +32,7 @@ def _mla_split_kernel(
 ):
     """mid_o [B, H, S, R] float32 (normalized per split), mid_lse [B, H, S] float32 (−inf: empty split)."""
     hb = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # B · H · S · R outgrows int32 for large batches
     s = tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     rr = tl.arange(0, BLOCK_R)
@@ -82,7 +82,7 @@ def _mla_merge_kernel(
 ):
     """out [B, H, R] = Σ_s w_s · mid_o[s] with w_s = exp(lse_s − max) / Σ; all splits empty → 0."""
     h = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)
     ss = tl.arange(0, BLOCK_S)
     rr = tl.arange(0, BLOCK_R)
     lse_base = mid_lse_ptr + b * stride_lb + h * stride_lh
