@@ -155,7 +155,25 @@ class Report:
         for r in self.results:
             if r.metric not in ("copy_gbs", "bf16_tflops"):  # in the header; their timing rows follow
                 lines.append(_table_line(r))
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + self._best_tiles()) + "\n"
+
+    def _best_tiles(self) -> list[str]:
+        """Per kernel × dtype × shape timed with several tile sets: the fastest, for the catalogue."""
+        groups: dict[tuple, list[Result]] = {}
+        for r in self.results:
+            if r.metric == "time_s" and r.status == "ok" and r.knobs:
+                graph = r.variant.endswith("-graph")
+                groups.setdefault((r.kernel, r.dtype, _shape_str(r.shape), graph), []).append(r)
+        lines = []
+        for (kernel, dtype, shape, graph), rows in groups.items():
+            if len(rows) > 1:
+                best = min(rows, key=lambda r: r.median)
+                default = next((r for r in rows if not r.variant.startswith("ours-sweep")), None)
+                gain = f", {default.median / best.median:.2f}× the defaults" if default else ""
+                knobs = " ".join(f"{k}={v}" for k, v in best.knobs.items())
+                lines.append(f"- {kernel} {dtype} {shape}{' (graph)' if graph else ''}: "
+                             f"{best.median * 1e6:.1f} µs{gain} with {knobs}")
+        return ["", "## Fastest tiles found", ""] + lines if lines else []
 
 
 def _shape_str(shape: dict) -> str:
