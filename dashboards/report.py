@@ -99,7 +99,7 @@ def study_figures(rows) -> list[str]:
     metrics = list(dict.fromkeys(rows["metric"]))
     first = rows[rows["metric"] == metrics[0]]
     parts = [_div(history_figure(first), "history", f"Tuning history: {metrics[0]} per trial, best so far"),
-             _div(importance_figure(first), "importance", "Knob importance (share of the variance of log value)"),
+             _div(importance_figure(first), "importance", "Knob importance (ω²: share of the variance of log value)"),
              _div(parallel_figure(first), "parallel", f"Parallel coordinates: knobs → {metrics[0]}")]
     if len(metrics) == 2:
         parts.append(_div(pareto_figure(rows, metrics), "pareto", f"Pareto front: {metrics[0]} vs {metrics[1]}"))
@@ -130,18 +130,31 @@ def knob_columns(rows) -> list[str]:
     return [c for c in rows.columns if c.startswith("knob.") and rows[c].notna().any()]
 
 
+def _groups(values, bins: int = 4):
+    """Trial indices grouped by knob value; numeric knobs with many values in ≤ `bins` rank bins."""
+    import pandas as pd
+
+    if values.nunique() > bins and pd.api.types.is_numeric_dtype(values):
+        values = pd.qcut(values.rank(method="first"), bins, labels=False)
+    return [g for g in values.astype(str).groupby(values.astype(str)).indices.values()]
+
+
 def importances(rows) -> dict[str, float]:
-    """η² of each knob on log(value) over completed trials (one-way ANOVA), normalized to sum 1."""
-    ok = rows[(rows["status"] == "ok") & (rows["median"] > 0)]
-    if len(ok) < 2:
+    """ω² of each knob on log(value) over completed trials (one-way ANOVA, corrected for the
+    number of groups so a knob with many values gains nothing by chance), normalized to sum 1."""
+    ok = rows[(rows["status"] == "ok") & (rows["median"] > 0)].reset_index(drop=True)
+    if len(ok) < 3:
         return {}
     y = np.log(ok["median"].to_numpy(dtype=float))
     total = float(((y - y.mean()) ** 2).sum())
     out = {}
     for col in knob_columns(ok):
-        groups = ok.groupby(ok[col].astype(str)).indices.values()
+        groups = _groups(ok[col])
         between = sum(len(g) * (y[g].mean() - y.mean()) ** 2 for g in groups)
-        out[col.removeprefix("knob.")] = between / total if total > 0 else 0.0
+        dof_within = len(y) - len(groups)
+        ms_within = (total - between) / dof_within if dof_within > 0 else 0.0
+        omega = (between - (len(groups) - 1) * ms_within) / (total + ms_within) if total > 0 else 0.0
+        out[col.removeprefix("knob.")] = max(0.0, omega)
     s = sum(out.values())
     return {k: v / s for k, v in sorted(out.items(), key=lambda kv: -kv[1])} if s > 0 else out
 
@@ -153,7 +166,8 @@ def importance_figure(rows):
     fig = go.Figure(go.Bar(x=list(imp.values()), y=list(imp.keys()), orientation="h"))
     fig.update_xaxes(title="importance", range=[0, 1])
     if not imp:
-        fig.add_annotation(text="fewer than two completed trials", showarrow=False)
+        fig.add_annotation(text="fewer than three completed trials, or no knob explains the spread",
+                           showarrow=False)
     return fig
 
 
@@ -230,10 +244,17 @@ def tuned_vs_defaults_figure(confirm):
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
     for j, metric in enumerate(metrics, start=1):
         sel = latest[latest["metric"] == metric]
-        labels = [f"{json.loads(e).get('label', '?')} · {s[:24]}" for e, s in zip(sel["extra"], sel["study"])]
-        fig.add_bar(x=labels, y=sel["median"], name=metric, showlegend=False, row=1, col=j,
-                    error_y=dict(type="data", symmetric=False, array=sel["p90"] - sel["median"],
-                                 arrayminus=sel["median"] - sel["p10"]))
+        labels = [json.loads(e).get("label", "?") for e in sel["extra"]]
+        base = {st: m for st, m, lab in zip(sel["study"], sel["median"], labels) if lab == "defaults"}
+        sign = -1 if (sel["direction"] == "minimize").all() else 1
+        text = [("" if lab == "defaults" or st not in base else
+                 f"{(base[st] / m if sign < 0 else m / base[st]) - 1:+.1%}")
+                for st, m, lab in zip(sel["study"], sel["median"], labels)]
+        x = labels if sel["study"].nunique() == 1 else [f"{lab}<br>{st[-30:]}" for lab, st in zip(labels, sel["study"])]
+        fig.add_bar(x=x, y=sel["median"], name=metric, showlegend=False, row=1, col=j, text=text,
+                    hovertext=sel["study"], error_y=dict(type="data", symmetric=False,
+                                                         array=sel["p90"] - sel["median"],
+                                                         arrayminus=sel["median"] - sel["p10"]))
     return fig
 
 

@@ -52,7 +52,8 @@ def test_report_helpers():
     assert pareto_front([(1, 5), (2, 2), (3, 3), (5, 1), (2, 6)]) == [0, 1, 3]
     import pandas as pd
 
-    rows = pd.DataFrame({"status": ["ok"] * 4, "median": [1.0, 1.1, 4.0, 4.2],
-                         "knob.a": [1, 1, 2, 2], "knob.b": ["x", "y", "x", "y"]})
+    rows = pd.DataFrame({"status": ["ok"] * 8, "median": [1.0, 1.1, 4.0, 4.2, 1.05, 1.0, 4.1, 4.0],
+                         "knob.a": [1, 1, 2, 2, 1, 1, 2, 2], "knob.b": ["x", "y", "x", "y", "y", "x", "y", "x"],
+                         "knob.c": [11, 15, 12, 16, 13, 17, 14, 18]})  # unique per trial, unrelated
     imp = importances(rows)
-    assert imp["a"] > 0.9 and imp["b"] < 0.1 and abs(sum(imp.values()) - 1) < 1e-9
+    assert imp["a"] > 0.9 and imp["b"] < 0.05 and imp["c"] < 0.1 and abs(sum(imp.values()) - 1) < 1e-9
