@@ -51,6 +51,11 @@ def test_interrupt_resume_profile_report(tmp_path):
     profile = next((tmp_path / "profiles").glob("*.toml"))
     meta = tomllib.loads(profile.read_text())["meta"]
     assert meta["study"] == "cli" and set(meta["gain"]) == {"tpot_s"} and len(meta["gain_spread"]["tpot_s"]) == 2
+    from engine.knobs import CATALOGUE, resolve_knobs
+
+    knobs, defaults = tomllib.loads(profile.read_text())["knobs"], resolve_knobs()
+    assert set(knobs) <= set(CATALOGUE) and all(defaults[k] != v for k, v in knobs.items())
+    assert bool(knobs) == meta["kept"]
 
     p = moetune("results", "--suite", "autotune-confirm", env=env)
     out, _ = p.communicate(timeout=120)

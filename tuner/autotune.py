@@ -130,7 +130,8 @@ def _meta(mkey: str, objective: str, study: str | None, gain: dict, spread: dict
 
 
 def write_profile(result, tuner, mkey: str, prior):
-    """The profile for (this machine, model): the kept knobs, gains with spreads, old kernel tables kept."""
+    """The profile for (this machine, model): the kept knobs that differ from the defaults, gains
+    with spreads; the kernel tables of an earlier profile are kept."""
     from tuner.profile import Profile, profile_path, save_profile
 
     win = result.winner
@@ -139,7 +140,10 @@ def write_profile(result, tuner, mkey: str, prior):
               for m in result.metrics}
     meta = _meta(mkey, tuner.obj.kind, result.study, gain, spread, trial=result.best_trial if result.kept else -1,
                  kept=result.kept, workload=tuner.obj.workload)
-    prof = Profile(meta, dict(result.knobs), dict(prior.kernel_tables) if prior else {})
+    # Only the knobs that differ from the defaults: the rest follow the engine's defaults, so a
+    # later default (a faster backend, say) is not pinned back by an old profile.
+    changed = {k: v for k, v in result.knobs.items() if tuner.defaults.get(k) != v}
+    prof = Profile(meta, changed, dict(prior.kernel_tables) if prior else {})
     hw = meta["hardware_key"]
     return save_profile(prof, profile_path(hw, mkey))
 
