@@ -17,6 +17,9 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 # The Debian package may start a cluster of its own; the tests use their own server.
-command -v pg_ctlcluster >/dev/null 2>&1 && pg_lsclusters -h 2>/dev/null | while read -r ver name _; do
-    pg_ctlcluster "$ver" "$name" stop 2>/dev/null || true; done
+if command -v pg_lsclusters >/dev/null 2>&1; then
+    pg_lsclusters -h 2>/dev/null | while read -r ver name _; do
+        pg_ctlcluster "$ver" "$name" stop 2>/dev/null || true
+    done || true
+fi
 exit 0
