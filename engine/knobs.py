@@ -5,8 +5,10 @@ CATALOGUE. A value of "auto" is resolved once at start-up from the hardware.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from engine.errors import MoetuneError
@@ -94,8 +96,9 @@ class Knob:
 CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("threads", int, "auto", "engine", "intra-op threads (auto: the usable cores)",
          low=1, high=1024, auto=True, constraints=(AtMost("cores"),)),
-    Knob("kernel_backend", str, "reference", "engine", "kernel backend running every op",
-         choices=("reference",)),
+    Knob("kernel_backend", str, "auto", "engine",
+         "kernel backend running every op (auto: the C++ \"cpu\" kernels where they build and run, "
+         "else the torch reference)", choices=("auto", "cpu", "reference"), tune=False),
     Knob("kv_block_size", int, 64, "engine/cache", "tokens per paged KV-cache block",
          low=1, high=1024, log=True, pow2=True),
     Knob("max_total_tokens", int, 16384, "engine/scheduler",
@@ -115,6 +118,26 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
          "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
          "sequence's result never depends on what it is batched with (slow; for reproducibility)",
          choices=(False, True), tune=False),
+    # CPU (AVX-512 C++) tiles, read by kernels/cpu (configure(), or knobs= per call)
+    Knob("cpu_micro_rows", int, 4, "kernels/cpu",
+         "CPU matmul microkernel: weight rows per register tile", choices=(4, 8)),
+    Knob("cpu_micro_tokens", int, 1, "kernels/cpu",
+         "CPU matmul microkernel: tokens per register tile (each weight chunk is converted once for them)",
+         choices=(1, 2, 4)),
+    Knob("cpu_linear_block_n", int, 64, "kernels/cpu",
+         "CPU linear, few tokens: output rows per parallel task", low=8, high=1024, log=True, pow2=True),
+    Knob("cpu_moe_block_n", int, 32, "kernels/cpu",
+         "CPU fused MoE: rows per task (intermediate rows in gate/up, output rows in down); tasks are "
+         "experts × tiles", low=8, high=512, log=True, pow2=True),
+    Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert): from this many, weight blocks are unpacked to "
+         "float32 and multiplied with BLAS instead of the register microkernel", low=1, high=4096, log=True),
+    Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
+         "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
+         low=16, high=4096, log=True, pow2=True),
+    Knob("cpu_fp8_method", str, "vector", "kernels/cpu",
+         "CPU FP8 weights: E4M3 expanded by bit arithmetic in registers (vector) or by a 256-entry "
+         "table gather (lut)", choices=("vector", "lut")),
     # CUDA (Triton) tiles, read by kernels/cuda at every launch (kernels.cuda.tiles)
     Knob("cuda_moe_block_m", int, 64, "kernels/cuda",
          "GPU MoE, prefill (contiguous layout): (token, expert) pairs per program", low=16, high=128, pow2=True),
@@ -183,8 +206,22 @@ def resolve_knobs(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         values[name] = CATALOGUE[name].validate(value)
     if values["threads"] == "auto":
         values["threads"] = len(os.sched_getaffinity(0))
+    if values["kernel_backend"] == "auto":
+        values["kernel_backend"] = auto_kernel_backend()
     check_constraints(values)
     return values
+
+
+@lru_cache(maxsize=1)
+def auto_kernel_backend() -> str:
+    """"cpu" when the C++ kernels build and run on this machine (compiled once, cached), else
+    "reference", saying why once."""
+    from kernels.cpu_build import availability
+
+    ok, why = availability()
+    if not ok:
+        logging.getLogger("moetune").warning("kernel_backend auto: using the reference kernels (%s)", why)
+    return "cpu" if ok else "reference"
 
 
 def check_constraints(values: dict[str, Any], limits: dict | None = None,

@@ -16,6 +16,7 @@ OPS = (
 
 _BACKENDS: dict[str, str] = {
     "reference": "kernels.reference",
+    "cpu": "kernels.cpu",  # AVX-512 C++ kernels, compiled on first use (kernels/cpu_build.py)
     "cuda": "kernels.cuda.backend",  # Triton; imported only when asked for (GPU machines)
 }
 _loaded: dict[str, ModuleType] = {}

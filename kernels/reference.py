@@ -65,7 +65,7 @@ def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """y = x · Wᵀ. x [T, K] (any float dtype), weight [N, K] in any format → [T, N] in x.dtype.
 
-    Dense and FP8-block: weight dequantized to float32 (weight-only quantization).
+    Dense, FP8-block and INT4-group: weight dequantized to float32 (weight-only quantization).
     INT8-channel (w8a8): x quantized per token to int8, integer products summed exactly (float64
     holds every partial sum of int8·int8 for K < 2^37), then scaled by x_scale · w_scale.
     """

@@ -49,6 +49,8 @@ class Batch:
 
 class DeepseekV3:
     def __init__(self, cfg: ModelConfig, weights: dict, ops, dtype: torch.dtype, absorb: str = "decode"):
+        if hasattr(ops, "prepare_weights"):  # backends repack weights once, at load
+            weights = ops.prepare_weights(weights)
         self.cfg, self.w, self.ops, self.dtype, self.absorb = cfg, weights, ops, dtype, absorb
         self.rotary = RotaryAngles(cfg)
         self.scale = cfg.softmax_scale

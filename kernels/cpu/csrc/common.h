@@ -1,0 +1,124 @@
+// Shared pieces of the AVX-512 kernels: weight views, in-register weight conversion, reductions.
+//
+// Every weight is row-major [N, K] (N output rows, K inputs), the layout the checkpoint stores, so
+// "repacking" at load is only making tensors contiguous and precomputing scales. A kernel reads 32
+// consecutive K elements of a row at a time and turns them into two float32 vectors (or one int16
+// vector for INT8), the conversion happening in registers.
+#pragma once
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+namespace moetune {
+
+enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4 };
+enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1 };
+
+// One weight matrix [N, K] (one expert of a stack, or a plain linear).
+struct WeightView {
+  int fmt = kF32;
+  const uint8_t* w = nullptr;  // row r starts at w + r * row_bytes
+  int64_t row_bytes = 0;
+  int64_t N = 0, K = 0;
+  const float* scale = nullptr;  // int8: [N]; fp8: [ceil(N/bn), G] (already × 2^120); int4: [N, G]
+  const float* zero = nullptr;   // int4: [N, G] zero point in quantized units
+  int64_t scale_ld = 0;          // row stride of scale/zero
+  int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row
+  int block_n = 1;               // fp8: rows per scale block
+  int fp8_method = kFp8Vector;
+};
+
+// Per-call run-time knobs (all from the knob catalogue, passed by Python).
+struct Knobs {
+  int micro_rows = 4;        // weight rows per microkernel pass (2, 4, 8)
+  int micro_tokens = 1;      // tokens per microkernel pass (1, 2, 4)
+  int block_n = 64;          // rows per parallel task (linear)
+  int moe_block_n = 32;      // rows per parallel task (fused MoE)
+  int gemm_min_tokens = 32;  // from this many tokens (per expert in MoE) use unpack + BLAS
+  int gemm_block_n = 256;    // rows unpacked per BLAS call (the weight-unpack cache block)
+  int fp8_method = kFp8Vector;
+};
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << n) - 1); }
+
+// FP8 E4M3 → float32 bits without NaN handling: sign to bit 31, exponent+mantissa shifted so the
+// value is the true one × 2^-120 (denormals come out exact as float32 denormals); the 2^120 is
+// folded into the block scale.
+inline __m512 fp8x16_to_f32_scaled(__m128i b) {
+  __m512i v = _mm512_cvtepi8_epi32(b);
+  v = _mm512_slli_epi32(v, 20);
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0x87F00000u)));
+}
+
+extern float g_fp8_lut[256];  // E4M3 byte → value × 2^-120 (same scaling as the vector path)
+
+inline __m512 fp8x16_lut(__m128i b) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), g_fp8_lut, 4);
+}
+
+// 32 consecutive elements of a float row → two float32 vectors; n < 32 only at a row's end.
+template <int F>
+struct Loader;
+
+template <>
+struct Loader<kF32> {
+  static inline void load(const WeightView& W, const uint8_t* row, int64_t k, int64_t n, __m512& a, __m512& b) {
+    const float* p = reinterpret_cast<const float*>(row) + k;
+    if (n >= 32) { a = _mm512_loadu_ps(p); b = _mm512_loadu_ps(p + 16); return; }
+    a = _mm512_maskz_loadu_ps(tail_mask16(n), p);
+    b = n > 16 ? _mm512_maskz_loadu_ps(tail_mask16(n - 16), p + 16) : _mm512_setzero_ps();
+  }
+};
+
+template <>
+struct Loader<kBF16> {
+  static inline __m512 cvt(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  static inline void load(const WeightView& W, const uint8_t* row, int64_t k, int64_t n, __m512& a, __m512& b) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + k;
+    if (n >= 32) {
+      a = cvt(_mm256_loadu_si256((const __m256i*)p));
+      b = cvt(_mm256_loadu_si256((const __m256i*)(p + 16)));
+      return;
+    }
+    a = cvt(_mm256_maskz_loadu_epi16(tail_mask16(n), p));
+    b = n > 16 ? cvt(_mm256_maskz_loadu_epi16(tail_mask16(n - 16), p + 16)) : _mm512_setzero_ps();
+  }
+};
+
+template <>
+struct Loader<kFp8> {
+  static inline void load(const WeightView& W, const uint8_t* row, int64_t k, int64_t n, __m512& a, __m512& b) {
+    const uint8_t* p = row + k;
+    __m128i x0, x1;
+    if (n >= 32) {
+      x0 = _mm_loadu_si128((const __m128i*)p);
+      x1 = _mm_loadu_si128((const __m128i*)(p + 16));
+    } else {
+      x0 = _mm_maskz_loadu_epi8(tail_mask16(n), p);
+      x1 = n > 16 ? _mm_maskz_loadu_epi8(tail_mask16(n - 16), p + 16) : _mm_setzero_si128();
+    }
+    if (W.fp8_method == kFp8Lut) { a = fp8x16_lut(x0); b = fp8x16_lut(x1); return; }
+    a = fp8x16_to_f32_scaled(x0);
+    b = fp8x16_to_f32_scaled(x1);
+  }
+};
+
+// INT4: per 32 elements 16 bytes, byte i = q[i] | q[i + 16] << 4 (unsigned nibbles); rows are
+// padded to a whole number of groups, so no tail handling is needed (the activations are zero there).
+template <>
+struct Loader<kInt4> {
+  static inline void load(const WeightView& W, const uint8_t* row, int64_t k, int64_t n, __m512& a, __m512& b) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k / 2)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+};
+
+// Unpack rows [r0, r1) of a weight to float32 [r1 - r0, K] (real values; INT8: the raw integers,
+// its row scale applied after the product). The GEMM path's weight-unpack cache block.
+void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst);
+
+}  // namespace moetune

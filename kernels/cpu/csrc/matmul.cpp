@@ -1,0 +1,274 @@
+// Linear layers: activation preparation, the direct (microkernel) path and the unpack + BLAS path.
+#include <omp.h>
+#include <cmath>
+#include "ops.h"
+
+namespace moetune {
+
+// ------------------------------------------------------------------ FP8 LUT
+
+float g_fp8_lut[256];
+
+// The LUT holds exactly what the vector path computes: byte sign-extended, << 20, & 0x87F00000.
+static const bool kLutReady = [] {
+  for (int b = 0; b < 256; ++b) {
+    uint32_t v = ((uint32_t)(int32_t)(int8_t)b << 20) & 0x87F00000u;
+    std::memcpy(&g_fp8_lut[b], &v, 4);
+  }
+  return true;
+}();
+
+
+
+// ------------------------------------------------------------------ microkernel table
+
+MicroFn get_micro(int fmt, int rows, int tokens) {
+  switch (fmt) {
+    case kF32: return get_micro_f32(rows, tokens);
+    case kBF16: return get_micro_bf16(rows, tokens);
+    case kInt8: return get_micro_int8(rows, tokens);
+    case kFp8: return get_micro_fp8(rows, tokens);
+    case kInt4: return get_micro_int4(rows, tokens);
+  }
+  return nullptr;
+}
+
+// ------------------------------------------------------------------ weights and knobs
+
+static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 ? 2 : 1; }
+
+StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
+                          const at::Tensor& zero, int64_t group, int64_t block_n, int64_t fp8_method) {
+  TORCH_CHECK(w.is_contiguous(), "weight must be contiguous");
+  StackedWeight s;
+  WeightView& v = s.base;
+  v.fmt = (int)fmt;
+  v.w = (const uint8_t*)w.data_ptr();
+  v.N = N;
+  v.K = K;
+  v.row_bytes = w.size(-1) * elem_bytes((int)fmt);
+  v.group = (int)group;
+  v.block_n = (int)block_n;
+  v.fp8_method = (int)fp8_method;
+  if (scale.defined() && scale.numel()) {
+    TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
+    v.scale = scale.data_ptr<float>();
+    v.scale_ld = scale.size(-1);
+    s.scale_expert_stride = w.dim() == 3 ? scale.stride(0) : 0;
+  }
+  if (zero.defined() && zero.numel()) v.zero = zero.data_ptr<float>();
+  s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
+  TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
+  TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
+  TORCH_CHECK(fmt != kInt8 || v.scale, "int8 needs scale");
+  return s;
+}
+
+Knobs make_knobs(const std::vector<int64_t>& k) {
+  TORCH_CHECK(k.size() == 7, "expected 7 knob values");
+  Knobs kn;
+  kn.micro_rows = (int)k[0];
+  kn.micro_tokens = (int)k[1];
+  kn.block_n = (int)std::max<int64_t>(1, k[2]);
+  kn.moe_block_n = (int)std::max<int64_t>(1, k[3]);
+  kn.gemm_min_tokens = (int)std::max<int64_t>(1, k[4]);
+  kn.gemm_block_n = (int)std::max<int64_t>(1, k[5]);
+  kn.fp8_method = (int)k[6];
+  TORCH_CHECK(get_micro(kBF16, kn.micro_rows, kn.micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
+  return kn;
+}
+
+// ------------------------------------------------------------------ activations
+
+static int64_t padded_k(const WeightView& W) {
+  const int64_t g = W.group > 0 ? W.group : 32;
+  const int64_t k = ((W.K + g - 1) / g) * g;
+  return ((k + 127) / 128) * 128;
+}
+
+// Per-token symmetric int8 exactly as the reference: scale = amax / 127 (1 if amax = 0),
+// q = round-half-even(x / scale) clamped to ±127, stored as int16.
+static void quantize_row(const float* x, int64_t K, int16_t* q, float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  float a = _mm512_reduce_max_ps(amax);
+  for (; k < K; ++k) a = std::max(a, std::fabs(x[k]));
+  const float s = a > 0.f ? a / 127.f : 1.f;
+  *scale = s;
+  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
+  for (k = 0; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+    _mm256_storeu_si256((__m256i*)(q + k), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+  }
+  for (; k < K; ++k) q[k] = (int16_t)std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / s)));
+}
+
+Act PreparedAct::view() const {
+  Act a;
+  if (xq.defined()) {
+    a.xq = xq.data_ptr<int16_t>();
+    a.xs = xs.data_ptr<float>();
+    a.ld = xq.size(1);
+  } else {
+    a.xf = xf.data_ptr<float>();
+    a.ld = xf.size(1);
+  }
+  if (gsum.defined()) {
+    a.gsum = gsum.data_ptr<float>();
+    a.gld = gsum.size(1);
+  }
+  return a;
+}
+
+PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W) {
+  PreparedAct p;
+  const int64_t kp = padded_k(W);
+  if (W.fmt == kInt8) {
+    p.xq = at::zeros({M, kp}, at::kShort);
+    p.xs = at::empty({M}, at::kFloat);
+    int16_t* q = p.xq.data_ptr<int16_t>();
+    float* s = p.xs.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) quantize_row(src + m * ld, K, q + m * kp, s + m);
+    });
+    return p;
+  }
+  p.xf = at::zeros({M, kp}, at::kFloat);
+  float* d = p.xf.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) std::memcpy(d + m * kp, src + m * ld, K * sizeof(float));
+  });
+  if (W.fmt == kInt4) {
+    const int64_t G = kp / W.group;
+    p.gsum = at::zeros({M, G}, at::kFloat);
+    float* gs = p.gsum.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = g * W.group; k < (g + 1) * W.group; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(d + m * kp + k));
+        gs[m * G + g] = hsum(acc);
+      }
+  }
+  return p;
+}
+
+PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  return prepare_act_f32rows(xf.data_ptr<float>(), xf.size(0), xf.size(1), xf.size(1), W);
+}
+
+// ------------------------------------------------------------------ direct path
+
+void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo, const Knobs& kn) {
+  const int R = kn.micro_rows, MT = kn.micro_tokens;
+  MicroFn fn = get_micro(W.fmt, R, MT);
+  MicroFn fn1 = get_micro(W.fmt, R, 1);
+  float buf[8 * 4];
+  int64_t t[4];
+  for (int64_t m0 = 0; m0 < M; m0 += MT) {
+    const int64_t mt = std::min<int64_t>(MT, M - m0);
+    MicroFn f = mt == MT ? fn : fn1;
+    const int64_t step = mt == MT ? MT : 1;
+    for (int64_t mm = m0; mm < m0 + mt; mm += step) {
+      for (int64_t j = 0; j < step; ++j) t[j] = tok[mm + j];
+      for (int64_t r0 = n0; r0 < n1; r0 += R) {
+        f(W, r0, A, t, buf);
+        const int64_t nr = std::min<int64_t>(R, n1 - r0);
+        for (int64_t j = 0; j < step; ++j)
+          for (int64_t r = 0; r < nr; ++r) out[(mm + j - 0) * ldo + (r0 - n0) + r] = buf[j * R + r];
+      }
+    }
+  }
+}
+
+void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
+               const Knobs& kn, bool parallel) {
+  const int64_t bn = ((kn.block_n + kn.micro_rows - 1) / kn.micro_rows) * kn.micro_rows;
+  const int64_t tiles = (W.N + bn - 1) / bn;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && tiles > 1)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n0 = t * bn, n1 = std::min(W.N, n0 + bn);
+    micro_sweep(W, A, tok, M, n0, n1, out + n0, ldo, kn);
+  }
+}
+
+// ------------------------------------------------------------------ unpack + BLAS path
+
+void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
+  const int64_t K = W.K;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = W.w + r * W.row_bytes;
+    float* d = dst + (r - r0) * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t n = std::min<int64_t>(32, K - k);
+      __m512 a, b;
+      switch (W.fmt) {
+        case kF32: Loader<kF32>::load(W, row, k, n, a, b); break;
+        case kBF16: Loader<kBF16>::load(W, row, k, n, a, b); break;
+        case kFp8: Loader<kFp8>::load(W, row, k, n, a, b); break;
+        case kInt4: Loader<kInt4>::load(W, row, k, n, a, b); break;
+        default: {  // int8: raw integers
+          __m256i v = n >= 32 ? _mm256_loadu_si256((const __m256i*)(row + k)) : _mm256_maskz_loadu_epi8(tail_mask32(n), row + k);
+          a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+          b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        }
+      }
+      if (W.fmt == kFp8) {
+        const __m512 s = _mm512_set1_ps(W.scale[(r / W.block_n) * W.scale_ld + k / W.group]);
+        a = _mm512_mul_ps(a, s);
+        b = _mm512_mul_ps(b, s);
+      } else if (W.fmt == kInt4) {
+        const int64_t g = k / W.group;
+        const __m512 s = _mm512_set1_ps(W.scale[r * W.scale_ld + g]), z = _mm512_set1_ps(W.zero[r * W.scale_ld + g]);
+        a = _mm512_mul_ps(_mm512_sub_ps(a, z), s);
+        b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
+      }
+      _mm512_mask_storeu_ps(d + k, tail_mask16(n), a);
+      if (n > 16) _mm512_mask_storeu_ps(d + k + 16, tail_mask16(n - 16), b);
+    }
+  }
+}
+
+at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
+  const int64_t M = x_act.size(0), bn = kn.gemm_block_n;
+  at::Tensor out = at::empty({M, W.N}, at::kFloat);
+  at::Tensor buf = at::empty({std::min(bn, W.N), W.K}, at::kFloat);
+  for (int64_t n0 = 0; n0 < W.N; n0 += bn) {
+    const int64_t n1 = std::min(W.N, n0 + bn);
+    float* b = buf.data_ptr<float>();
+    at::parallel_for(n0, n1, 4, [&](int64_t s, int64_t e) { unpack_rows_f32(W, s, e, b + (s - n0) * W.K); });
+    out.narrow(1, n0, n1 - n0).copy_(at::mm(x_act, buf.narrow(0, 0, n1 - n0).t()));
+  }
+  return out;
+}
+
+// x as the GEMM path multiplies it: float32, or for INT8 the quantized integers (exact in float32).
+static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
+  if (p.xq.defined()) return p.xq.narrow(1, 0, K).to(at::kFloat);
+  return p.xf.narrow(1, 0, K);
+}
+
+at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                     const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
+                     std::vector<int64_t> knobs) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
+  const Knobs kn = make_knobs(knobs);
+  const WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn.fp8_method).base;
+  const int64_t M = x.size(0);
+  PreparedAct p = prepare_act(x, W);
+  if (M >= kn.gemm_min_tokens) {
+    at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
+    if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));
+    return out;
+  }
+  at::Tensor out = at::empty({M, N}, at::kFloat);
+  std::vector<int64_t> tok(M);
+  for (int64_t m = 0; m < M; ++m) tok[m] = m;
+  gemv_rows(W, p.view(), tok.data(), M, out.data_ptr<float>(), N, kn, true);
+  return out;
+}
+
+}  // namespace moetune

@@ -1,0 +1,134 @@
+// Register-blocked microkernels for few tokens (decode GEMV and small GEMM): R weight rows × MT
+// tokens, full K, weights converted in registers and each 32-element chunk used for all MT tokens.
+#pragma once
+#include "common.h"
+
+namespace moetune {
+
+// Activations of one call: float32 rows [*, ld] zero-padded to a multiple of 128 (float formats),
+// or int16 per-token quantized rows with their scales (INT8); gsum [*, gld]: per-group sums of the
+// float rows (INT4 zero points).
+struct Act {
+  const float* xf = nullptr;
+  const int16_t* xq = nullptr;
+  const float* xs = nullptr;
+  const float* gsum = nullptr;
+  int64_t ld = 0, gld = 0;
+};
+
+// out[m * R + r] = Σ_k x[tok[m], k] · W[r0 + r, k] (real values). Rows past N repeat the last
+// row (the caller drops them); tok holds MT activation-row indices.
+using MicroFn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t* tok, float* out);
+
+MicroFn get_micro(int fmt, int rows, int tokens);  // nullptr for an unsupported combination
+// One translation unit per format instantiates its microkernels (parallel compilation).
+MicroFn get_micro_f32(int rows, int tokens);
+MicroFn get_micro_bf16(int rows, int tokens);
+MicroFn get_micro_int8(int rows, int tokens);
+MicroFn get_micro_fp8(int rows, int tokens);
+MicroFn get_micro_int4(int rows, int tokens);
+
+template <int F, int R, int MT>
+void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
+  const uint8_t* row[R];
+  const float* x[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) row[r] = W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes;
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) x[m] = A.xf + tok[m] * A.ld;
+  __m512 acc[R][MT];
+  float corr[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) { acc[r][m] = _mm512_setzero_ps(); corr[r][m] = 0.f; }
+  const int64_t K = W.K;
+  const int64_t gsz = W.group > 0 ? W.group : ((K + 31) / 32) * 32;
+  const int64_t kend = F == kInt4 ? ((K + gsz - 1) / gsz) * gsz : K;
+  for (int64_t kb = 0, g = 0; kb < kend; kb += gsz, ++g) {
+    const int64_t ke = kb + gsz < kend ? kb + gsz : kend;
+    __m512 part[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) part[r][m] = _mm512_setzero_ps();
+    for (int64_t k = kb; k < ke; k += 32) {
+      __m512 xa[MT], xb[MT];
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) { xa[m] = _mm512_loadu_ps(x[m] + k); xb[m] = _mm512_loadu_ps(x[m] + k + 16); }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512 a, b;
+        Loader<F>::load(W, row[r], k, ke - k, a, b);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) part[r][m] = _mm512_fmadd_ps(b, xb[m], _mm512_fmadd_ps(a, xa[m], part[r][m]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+      if constexpr (F == kFp8) {
+        const __m512 s = _mm512_set1_ps(W.scale[(rr / W.block_n) * W.scale_ld + g]);
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
+      } else if constexpr (F == kInt4) {
+        const float s = W.scale[rr * W.scale_ld + g], z = W.zero[rr * W.scale_ld + g];
+        for (int m = 0; m < MT; ++m) {
+          acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
+          corr[r][m] += s * z * A.gsum[tok[m] * A.gld + g];
+        }
+      } else {
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_add_ps(part[r][m], acc[r][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]) - corr[r][m];
+}
+
+// INT8 weights × int16 activations (per-token quantized, |q| ≤ 127): vpmaddwd sums adjacent
+// products exactly into int32; the result is scaled by the token's and the row's scales.
+template <int R, int MT>
+void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
+  const int8_t* row[R];
+  const int16_t* x[MT];
+  for (int r = 0; r < R; ++r) row[r] = (const int8_t*)(W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes);
+  for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
+  __m512i acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
+  const int64_t K = W.K;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i xv[MT];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_si512((const void*)(x[m] + k));
+    const bool full = k + 32 <= K;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256i b = full ? _mm256_loadu_si256((const __m256i*)(row[r] + k))
+                       : _mm256_maskz_loadu_epi8(tail_mask32(K - k), row[r] + k);
+      __m512i w = _mm512_cvtepi8_epi16(b);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_add_epi32(acc[r][m], _mm512_madd_epi16(w, xv[m]));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) {
+      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+      out[m * R + r] = (float)_mm512_reduce_add_epi32(acc[r][m]) * A.xs[tok[m]] * W.scale[rr];
+    }
+}
+
+// The (rows, tokens) instantiations of one format: rows 4 or 8, tokens 1, 2 or 4.
+template <int F, int R>
+MicroFn pick_tokens(int tokens) {
+  if constexpr (F == kInt8) {
+    switch (tokens) { case 1: return micro_int8<R, 1>; case 2: return micro_int8<R, 2>; case 4: return micro_int8<R, 4>; }
+  } else {
+    switch (tokens) { case 1: return micro_float<F, R, 1>; case 2: return micro_float<F, R, 2>; case 4: return micro_float<F, R, 4>; }
+  }
+  return nullptr;
+}
+
+template <int F>
+MicroFn pick_rows(int rows, int tokens) {
+  switch (rows) { case 4: return pick_tokens<F, 4>(tokens); case 8: return pick_tokens<F, 8>(tokens); }
+  return nullptr;
+}
+
+}  // namespace moetune

@@ -1,0 +1,159 @@
+// Fused MoE: tokens grouped by expert; phase 1 computes SiLU(gate)·up per (expert, intermediate
+// tile) task, phase 2 the down projection per output (D) tile over every expert, accumulating the
+// routing-weighted sum in place (a tile is owned by one task, so no atomics). One barrier between
+// the phases, none per expert. Experts with many tokens (≥ gemm_min_tokens) take the unpack + BLAS
+// path instead, one expert at a time with all threads.
+#include <omp.h>
+#include <cmath>
+#include "ops.h"
+
+namespace moetune {
+
+namespace {
+
+struct Routing {
+  std::vector<int64_t> count, offset;  // per expert
+  std::vector<int64_t> slot_tok;       // [P] token of each slot, slots grouped by expert
+  std::vector<float> slot_w;           // [P] routing weight of each slot
+  std::vector<int64_t> slot_idx;       // [P] 0..P-1 (activation rows of phase 2)
+};
+
+Routing group_by_expert(const at::Tensor& topk_w, const at::Tensor& topk_ids, int64_t E) {
+  const int64_t T = topk_ids.size(0), Kt = topk_ids.size(1), P = T * Kt;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const float* w = topk_w.data_ptr<float>();
+  Routing r;
+  r.count.assign(E, 0);
+  r.offset.assign(E + 1, 0);
+  for (int64_t i = 0; i < P; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "fused_moe: expert id ", ids[i], " outside [0, ", E, ")");
+    ++r.count[ids[i]];
+  }
+  for (int64_t e = 0; e < E; ++e) r.offset[e + 1] = r.offset[e] + r.count[e];
+  std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
+  r.slot_tok.resize(P);
+  r.slot_w.resize(P);
+  r.slot_idx.resize(P);
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t p = fill[ids[i]]++;
+    r.slot_tok[p] = i / Kt;
+    r.slot_w[p] = w[i];
+  }
+  for (int64_t p = 0; p < P; ++p) r.slot_idx[p] = p;
+  return r;
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// Rows `rows` of a GEMM-path input (float32 or the INT8 integers as float32).
+at::Tensor gather_rows(const PreparedAct& p, const int64_t* rows, int64_t n, int64_t K) {
+  at::Tensor idx = at::from_blob(const_cast<int64_t*>(rows), {n}, at::kLong);
+  if (p.xq.defined()) return p.xq.narrow(1, 0, K).index_select(0, idx).to(at::kFloat);
+  return p.xf.narrow(1, 0, K).index_select(0, idx);
+}
+
+at::Tensor gathered_scales(const PreparedAct& p, const int64_t* rows, int64_t n) {
+  at::Tensor idx = at::from_blob(const_cast<int64_t*>(rows), {n}, at::kLong);
+  return p.xs.index_select(0, idx);
+}
+
+// Phase 1 for one (expert, intermediate tile [i0, i1)): h[slot, i] = SiLU(gate) · up.
+void gate_up_tile(const WeightView& W, const Act& A, const int64_t* tok, int64_t n, int64_t I, int64_t i0,
+                  int64_t i1, float* h, const Knobs& kn) {
+  const int64_t w = i1 - i0;
+  std::vector<float> gate(n * w), up(n * w);
+  micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, kn);
+  micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, kn);
+  for (int64_t m = 0; m < n; ++m)
+    for (int64_t i = 0; i < w; ++i) h[m * I + i0 + i] = silu(gate[m * w + i]) * up[m * w + i];
+}
+
+// Phase 2 for one output tile [d0, d1) over every small expert: out[tok, d] += w · down(h)[d].
+void down_tile(const StackedWeight& W2, const Act& H, const Routing& r, const std::vector<int64_t>& experts,
+               int64_t d0, int64_t d1, float* out, int64_t D, const Knobs& kn) {
+  const int64_t w = d1 - d0;
+  std::vector<float> y;
+  for (int64_t e : experts) {
+    const int64_t n = r.count[e], off = r.offset[e];
+    y.resize(n * w);
+    micro_sweep(W2.expert(e), H, r.slot_idx.data() + off, n, d0, d1, y.data(), w, kn);
+    for (int64_t m = 0; m < n; ++m) {
+      float* o = out + r.slot_tok[off + m] * D + d0;
+      const float s = r.slot_w[off + m];
+      for (int64_t i = 0; i < w; ++i) o[i] += s * y[m * w + i];
+    }
+  }
+}
+
+// The unpack + BLAS path for one expert's gate/up: rows of h for its slots.
+void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok, int64_t n, int64_t D, int64_t I,
+                  float* h, const Knobs& kn) {
+  at::Tensor g = gemm_unpacked(gather_rows(xa, tok, n, D), W, kn);  // [n, 2I]
+  if (W.fmt == kInt8)
+    g.mul_(gathered_scales(xa, tok, n).unsqueeze(1)).mul_(at::from_blob((void*)W.scale, {2 * I}, at::kFloat).unsqueeze(0));
+  at::Tensor hv = at::from_blob(h, {n, I}, at::kFloat);
+  hv.copy_(at::silu(g.narrow(1, 0, I)).mul(g.narrow(1, I, I)));
+}
+
+void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int64_t e, int64_t I, at::Tensor& out,
+               const Knobs& kn) {
+  const int64_t n = r.count[e], off = r.offset[e];
+  at::Tensor y = gemm_unpacked(gather_rows(ha, r.slot_idx.data() + off, n, I), W, kn);  // [n, D]
+  if (W.fmt == kInt8)
+    y.mul_(gathered_scales(ha, r.slot_idx.data() + off, n).unsqueeze(1))
+        .mul_(at::from_blob((void*)W.scale, {W.N}, at::kFloat).unsqueeze(0));
+  at::Tensor wts = at::from_blob((void*)(r.slot_w.data() + off), {n, 1}, at::kFloat);
+  at::Tensor toks = at::from_blob((void*)(r.slot_tok.data() + off), {n}, at::kLong);
+  out.index_add_(0, toks, y.mul(wts));
+}
+
+}  // namespace
+
+at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
+                        const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
+                        const at::Tensor& z2, int64_t I, int64_t group, int64_t block_n,
+                        const at::Tensor& topk_w, const at::Tensor& topk_ids, std::vector<int64_t> knobs) {
+  TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_w.sizes() == topk_ids.sizes(), "fused_moe: bad shapes");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_w.scalar_type() == at::kFloat, "fused_moe: ids int64, weights float32");
+  const Knobs kn = make_knobs(knobs);
+  const int64_t T = x.size(0), D = x.size(1), E = w13.size(0);
+  const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn.fp8_method);
+  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn.fp8_method);
+  const Routing r = group_by_expert(topk_w.contiguous(), topk_ids.contiguous(), E);
+  const int64_t P = T * topk_ids.size(1);
+
+  std::vector<int64_t> small, large;
+  for (int64_t e = 0; e < E; ++e)
+    if (r.count[e] > 0) (r.count[e] >= kn.gemm_min_tokens ? large : small).push_back(e);
+
+  // phase 1: h [P, I]
+  PreparedAct xa = prepare_act(x, W13.base);
+  const Act A = xa.view();
+  at::Tensor h = at::empty({P, I}, at::kFloat);
+  float* hp = h.data_ptr<float>();
+  for (int64_t e : large)
+    gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
+  const int64_t bn = kn.moe_block_n, itiles = (I + bn - 1) / bn;
+  const int64_t tasks1 = (int64_t)small.size() * itiles;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < tasks1; ++t) {
+    const int64_t e = small[t / itiles], i0 = (t % itiles) * bn;
+    gate_up_tile(W13.expert(e), A, r.slot_tok.data() + r.offset[e], r.count[e], I, i0, std::min(I, i0 + bn),
+                 hp + r.offset[e] * I, kn);
+  }
+
+  // phase 2: out [T, D]
+  PreparedAct ha = prepare_act_f32rows(hp, P, I, I, W2.base);
+  const Act H = ha.view();
+  at::Tensor out = at::zeros({T, D}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  const int64_t dtiles = (D + bn - 1) / bn;
+  if (!small.empty()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn, std::min(D, (t + 1) * bn), op, D, kn);
+  }
+  for (int64_t e : large) down_gemm(W2.expert(e), ha, r, e, I, out, kn);
+  return out;
+}
+
+}  // namespace moetune

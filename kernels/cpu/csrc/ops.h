@@ -1,0 +1,61 @@
+// Entry points shared by the translation units (bindings.cpp exposes them to Python).
+#pragma once
+// Light ATen headers only (no torch/extension.h): each .cpp compiles in seconds, not minutes.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+#include <vector>
+#include "micro.h"
+
+namespace moetune {
+
+// A (possibly expert-stacked) weight from its tensors; see kernels/cpu/packed.py for the layout.
+// w: [E?, N, K] (int4: [E?, N, Kpad/2] uint8); scale/zero as documented in WeightView.
+struct StackedWeight {
+  WeightView base;
+  int64_t expert_bytes = 0, scale_expert_stride = 0;
+  WeightView expert(int64_t e) const {
+    WeightView v = base;
+    v.w += e * expert_bytes;
+    if (v.scale) v.scale += e * scale_expert_stride;
+    if (v.zero) v.zero += e * scale_expert_stride;
+    return v;
+  }
+};
+
+StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
+                          const at::Tensor& zero, int64_t group, int64_t block_n, int64_t fp8_method);
+Knobs make_knobs(const std::vector<int64_t>& k);
+
+// Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
+// quantized rows + scales. Owns its buffers.
+struct PreparedAct {
+  at::Tensor xf, xq, xs, gsum;
+  Act view() const;
+};
+PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
+PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W);
+
+// out[m, n] for rows [0, N) of W with M activation rows tok[0..M) (direct microkernel path),
+// parallel over row tiles of block_n. out: float32 with row stride ldo.
+void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
+               const Knobs& kn, bool parallel);
+// One microkernel sweep over rows [n0, n1) for tokens tok[0..M): out[m * ldo + (n - n0)].
+void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo, const Knobs& kn);
+// x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
+at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
+
+at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                     const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
+                     std::vector<int64_t> knobs);
+at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
+                        const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
+                        const at::Tensor& z2, int64_t inter, int64_t group, int64_t block_n,
+                        const at::Tensor& topk_w, const at::Tensor& topk_ids, std::vector<int64_t> knobs);
+
+}  // namespace moetune

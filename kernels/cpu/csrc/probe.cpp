@@ -1,0 +1,87 @@
+// Machine limits for the roofline: streaming read bandwidth and peak arithmetic per ISA path.
+#include <omp.h>
+#include <chrono>
+#include <cstdio>
+#include "ops.h"
+
+namespace moetune {
+
+namespace {
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+}  // namespace
+
+// Seconds to read `buf` once with every thread (each a contiguous slice, 4 independent AVX-512
+// accumulators); the sum is returned through `sink` so the loads are not optimised away.
+double read_seconds(const at::Tensor& buf) {
+  const float* p = buf.data_ptr<float>();
+  const int64_t n = buf.numel();
+  double sink = 0;
+  const double t0 = now();
+#pragma omp parallel reduction(+ : sink)
+  {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t chunk = (n / nt) & ~int64_t(63), b = id * chunk, e = id == nt - 1 ? n : b + chunk;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = b;
+    for (; i + 64 <= e; i += 64) {
+      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i));
+      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i + 16));
+      a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i + 32));
+      a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
+    }
+    sink += hsum(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+  const double dt = now() - t0;
+  if (sink == 1234.5) std::printf(" ");
+  return dt;
+}
+
+// GFLOP/s of `iters` rounds of 12 independent FP32 FMA vectors per thread (2 flops × 16 lanes).
+double fma_gflops(int64_t iters) {
+  double sink = 0;
+  const double t0 = now();
+  int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+  {
+    threads = omp_get_num_threads();
+    __m512 a[12];
+    for (int j = 0; j < 12; ++j) a[j] = _mm512_set1_ps(1.f + j * 1e-3f);
+    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
+    for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 12
+      for (int j = 0; j < 12; ++j) a[j] = _mm512_fmadd_ps(a[j], m, c);
+    __m512 s = a[0];
+    for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, a[j]);
+    sink += hsum(s);
+  }
+  const double dt = now() - t0;
+  if (sink == 1234.5) std::printf(" ");
+  return 2.0 * 16 * 12 * iters * threads / dt / 1e9;
+}
+
+// GOP/s (multiply-adds × 2) of the INT8 path here: vpmaddwd on int16 (32 products) + vpaddd.
+double int16_madd_gops(int64_t iters) {
+  int64_t sink = 0;
+  const double t0 = now();
+  int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+  {
+    threads = omp_get_num_threads();
+    __m512i a[8];
+    const __m512i w = _mm512_set1_epi16(3);
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_set1_epi32(j);
+    __m512i x = _mm512_set1_epi16(1);
+    for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[j] = _mm512_add_epi32(a[j], _mm512_madd_epi16(w, x));
+      x = _mm512_xor_si512(x, w);
+    }
+    for (int j = 1; j < 8; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
+    sink += _mm512_reduce_add_epi32(a[0]);
+  }
+  const double dt = now() - t0;
+  if (sink == 12345) std::printf(" ");
+  return 2.0 * 32 * 8 * iters * threads / dt / 1e9;
+}
+
+}  // namespace moetune
