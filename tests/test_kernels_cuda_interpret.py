@@ -32,6 +32,15 @@ _KERNEL_MODULES = ("kernels.cuda.fp8_gemm", "kernels.cuda.fused_moe", "kernels.c
                    "kernels.cuda.backend")
 
 
+def _check_triton_not_compiled_mode() -> None:
+    """Triton's own @jit library (tl.max, tl.cdiv, ...) is compiled or interpreted from its first
+    import: imported without TRITON_INTERPRET in this process, the interpreter cannot call it."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported without TRITON_INTERPRET=1 before this module; run "
+                           "GPU-compiling code in a subprocess (see test_kernels_cuda_compile.py)")
+
+
 def _import_interpreted() -> dict:
     """Import the kernel modules with TRITON_INTERPRET=1 (read when @triton.jit runs), then put the
     variable back; the `interpret` fixture sets it again while this module's tests run (Triton reads
@@ -39,6 +48,9 @@ def _import_interpreted() -> dict:
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        import triton  # noqa: F401 - first import, interpreted
+
+        _check_triton_not_compiled_mode()
         for name in _KERNEL_MODULES:
             sys.modules.pop(name, None)
         return {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in _KERNEL_MODULES}
@@ -157,6 +169,15 @@ def test_fp8_gemm_every_tile_sample_same_answer():
         assert_close(fp8_gemm.fp8_block_linear(x, w, tiles, TILES.fp8_quant), ref, 1e-5, str(tiles))
 
 
+@pytest.mark.parametrize("block_n", [256, 32])  # a tile over two weight-scale rows; one row per tile
+def test_fp8_gemm_scale_rows_per_tile(block_n):
+    g = _gen(block_n)
+    x = torch.randn(19, 384, generator=g)
+    w = quantize_fp8_block(torch.randn(300, 384, generator=g))
+    y = fp8_gemm.fp8_block_linear(x, w, Fp8GemmTiles(16, block_n, 128, 1, 4, 2), TILES.fp8_quant)
+    assert_close(y, linear_fp8_w8a8(x, w), 1e-5, f"fp8 gemm block_n={block_n}")
+
+
 def test_fp8_gemm_rejects_block_k_not_dividing_scale_block():
     w = quantize_fp8_block(torch.randn(64, 128), block=(64, 64))
     with pytest.raises(ValueError, match="block_k"):
@@ -260,7 +281,7 @@ def test_fused_moe_dense_matches_reference(case, masked, dtype):
     assert_close(out, reference.fused_moe(x, w13, w2, tw, ti), REL[dtype], f"moe {case}")
 
 
-@pytest.mark.parametrize("case", [MOE_CASES[0], MOE_CASES[1], (5, 256, 136, 4, 2, (3,))])
+@pytest.mark.parametrize("case", [MOE_CASES[0], MOE_CASES[1], (5, 256, 136, 4, 2, (3,)), (4, 128, 128, 3, 2, ())])
 @pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
 def test_fused_moe_fp8_matches_w8a8_reference(case, masked):
     t, d, i, e, k, unused = case

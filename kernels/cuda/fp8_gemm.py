@@ -60,9 +60,13 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UNIFORM_SCALE_N: tl.constexpr,
 ):
-    """C [M, N] = dequant(A) · dequant(B)ᵀ; one program per BLOCK_M × BLOCK_N tile, grouped order."""
+    """C [M, N] = dequant(A) · dequant(B)ᵀ; one program per BLOCK_M × BLOCK_N tile, grouped order.
+
+    UNIFORM_SCALE_N: the tile's columns lie in one weight-scale row (BLOCK_N divides SCALE_N), so
+    each K step scales by a row vector a_s · b_s instead of a full a_s ⊗ b_s tile (fewer registers).
+    """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -80,7 +84,10 @@ def _fp8_gemm_kernel(
     a_ptrs = a_ptr + am[:, None].to(tl.int64) * stride_am + rk[None, :]
     b_ptrs = b_ptr + bn[None, :].to(tl.int64) * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + am * stride_asm
-    bs_ptrs = bs_ptr + (bn // SCALE_N) * stride_bsn
+    if UNIFORM_SCALE_N:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_bsn  # one pointer: a scalar per step
+    else:
+        bs_ptrs = bs_ptr + (bn // SCALE_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -93,7 +100,10 @@ def _fp8_gemm_kernel(
         g = k0 // SCALE_K
         a_s = tl.load(as_ptrs + g)
         b_s = tl.load(bs_ptrs + g)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if UNIFORM_SCALE_N:
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
@@ -142,7 +152,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: Fp8BlockWeight, out
     _fp8_gemm_kernel[grid](
         a, a_scale, w, ws, c, m, n, k, a.stride(0), a_scale.stride(0), w.stride(0), ws.stride(0), c.stride(0),
         SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, UNIFORM_SCALE_N=scale_n % tiles.block_n == 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return c
 
 

@@ -34,12 +34,15 @@ def _moe_gemm_kernel(
     MASKED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UNIFORM_SCALE_N: tl.constexpr,
 ):
     """One program: BLOCK_M pairs of one expert × BLOCK_N output columns (gate/up: N = I, down: N = D).
 
     Contiguous: program_id(0) is a row block of `rows_ptr`, expert_ptr its expert, count_ptr the
     padded row total. Masked: program_id(0) = slot · ceil(capacity / BLOCK_M) + row block,
     expert_ptr / count_ptr the slot's expert and pair count, rows_ptr [slots, capacity].
+    UNIFORM_SCALE_N (FP8): the tile's weight rows (gate and up) each lie in one scale row, so a K
+    step scales by a row vector instead of a full activation ⊗ weight scale tile.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,8 +77,13 @@ def _moe_gemm_kernel(
     up_ptrs = w_ptrs + N * stride_wn  # gate/up only: the up rows follow the I gate rows
     if FP8:
         as_ptrs = a_scale_ptr + a_row * stride_asm
-        ws_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + (bn // SCALE_N) * stride_wsn
-        ws_up_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + ((bn + N) // SCALE_N) * stride_wsn
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        if UNIFORM_SCALE_N:  # scalar pointers
+            ws_ptrs = ws_base + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
+            ws_up_ptrs = ws_base + ((pid_n * BLOCK_N + N) // SCALE_N) * stride_wsn
+        else:
+            ws_ptrs = ws_base + (bn // SCALE_N) * stride_wsn
+            ws_up_ptrs = ws_base + ((bn + N) // SCALE_N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -89,7 +97,10 @@ def _moe_gemm_kernel(
         if FP8:
             g = k0 // SCALE_K
             a_s = tl.load(as_ptrs + g, mask=valid, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * tl.load(ws_ptrs + g)[None, :]
+            if UNIFORM_SCALE_N:
+                acc += tl.dot(a, b) * (a_s * tl.load(ws_ptrs + g))[:, None]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * tl.load(ws_ptrs + g)[None, :]
         else:
             acc = tl.dot(a, b.to(a.dtype), acc)
         if GATE_UP:
@@ -98,7 +109,10 @@ def _moe_gemm_kernel(
             else:
                 b_up = tl.load(up_ptrs, mask=kmask[:, None], other=0.0)
             if FP8:
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(ws_up_ptrs + g)[None, :]
+                if UNIFORM_SCALE_N:
+                    acc_up += tl.dot(a, b_up) * (a_s * tl.load(ws_up_ptrs + g))[:, None]
+                else:
+                    acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(ws_up_ptrs + g)[None, :]
             else:
                 acc_up = tl.dot(a, b_up.to(a.dtype), acc_up)
         a_ptrs += BLOCK_K
@@ -149,6 +163,7 @@ def _launch(a, a_scale, weight, out, route, layout, n: int, k: int, top_k: int, 
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
         MASKED=masked, GATE_UP=gate_up, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
+        UNIFORM_SCALE_N=fp8 and scale_n % tiles.block_n == 0 and (not gate_up or n % scale_n == 0),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
