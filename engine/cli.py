@@ -117,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dashboards.report import add_parser as add_report
     from results.commands import add_parser as add_results
     from suites.kernels import add_parser as add_bench
+    from suites.baselines.compare import add_parser as add_compare
     from tuner.autotune import add_parser as add_autotune
 
     add_autotune(sub)
+    add_compare(sub)
     add_bench(sub)
     add_results(sub)
     add_report(sub)

@@ -1,0 +1,276 @@
+"""`moetune compare`: our engine and its baselines on the same model, machine and run, alternately.
+
+    moetune compare [--model small] [--baselines llama.cpp,ktransformers] [--workloads io:128/32,ttft:512]
+                    [--precision bf16|int8|fp32] [--repeats 5] [--threads N]
+
+Workloads (the seeds' workloads, scaled to the machine by their lengths):
+    io:P/D        one request, P prompt tokens, D generated: TTFT, TPOT, prefill and decode tokens/s
+    ttft:P1,P2    prompt sweep, TTFT only (2 tokens generated)
+    moe:T1,T2     the fused MoE layer alone (--moe-shape, --moe-experts) vs kt-kernel, T tokens
+
+Each workload runs ours, theirs, ours, theirs … (one warm-up each first, then --repeats pairs), the
+same fixed-seed prompt token ids for both (no tokenizer in the loop), greedy, EOS ignored. Ratios
+pair engine by engine (baseline time / our time: > 1 means we are faster). Every setting (threads,
+precision, GGUF type, build flags, versions, kernel back ends, machine fingerprint) goes with the
+rows to the result store (suite "compare"); `moetune report` draws them (compare.html).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+from engine.errors import MoetuneError
+
+BASELINES = ("llama.cpp", "ktransformers")
+PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0")}
+DEFAULT_WORKLOADS = "io:128/32,ttft:512"
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("compare", help="our engine vs llama.cpp / kt-kernel, same model and machine, alternating runs")
+    c.add_argument("--model", default="small", help="preset or checkpoint directory (default small)")
+    c.add_argument("--baselines", default="llama.cpp", help=f"comma list of {', '.join(BASELINES)}")
+    c.add_argument("--workloads", default=DEFAULT_WORKLOADS,
+                   help="comma list: io:P/D, ttft:P[;P...], moe:T[;T...] (default %(default)s)")
+    c.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS),
+                   help="ours ↔ GGUF: bf16 ↔ BF16, fp32 ↔ F32, int8 (INT8-channel) ↔ Q8_0")
+    c.add_argument("--repeats", type=int, default=5, help="measured runs per engine (≥ 5 for the record)")
+    c.add_argument("--threads", type=int, default=None, help="threads for every engine (default: usable cores)")
+    c.add_argument("--moe-shape", default="v3", help="moe workloads: v3 (7168/2048/top-8), small, tiny")
+    c.add_argument("--moe-experts", type=int, default=64, help="moe workloads: experts in the layer (V3 has 256)")
+    c.add_argument("--json", action="store_true", help="the rows as JSON lines instead of the table")
+    c.set_defaults(func=run_compare)
+
+
+def parse_workloads(text: str) -> list[dict]:
+    """'io:128/32,ttft:512;2048,moe:1;4' → [{kind, prompt, decode} | {kind, tokens}] (';' or ',' inside)."""
+    out: list[dict] = []
+    kind = None
+    for part in [p.strip() for p in text.replace(";", ",").split(",") if p.strip()]:
+        if ":" in part:
+            kind, part = part.split(":", 1)
+        if kind not in ("io", "ttft", "moe"):
+            raise MoetuneError(f"workload {part!r}: kind must be io, ttft or moe (e.g. io:128/32)")
+        try:
+            if kind == "io":
+                p, d = part.split("/")
+                w = {"kind": "io", "prompt": int(p), "decode": int(d)}
+            elif kind == "ttft":
+                w = {"kind": "ttft", "prompt": int(part), "decode": 2}
+            else:
+                w = {"kind": "moe", "tokens": int(part)}
+        except ValueError:
+            raise MoetuneError(f"workload {kind}:{part} is not well formed (io:P/D, ttft:P, moe:T)") from None
+        if min(v for k, v in w.items() if k != "kind") < 1 or (kind != "moe" and w["decode"] < 2):
+            raise MoetuneError(f"workload {kind}:{part}: lengths must be ≥ 1 (decode ≥ 2)")
+        out.append(w)
+    if not out:
+        raise MoetuneError("no workloads given")
+    return out
+
+
+def parse_baselines(text: str) -> list[str]:
+    names = [b.strip().lower() for b in text.split(",") if b.strip()]
+    alias = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "ktransformers": "ktransformers",
+             "kt-kernel": "ktransformers", "kt": "ktransformers"}
+    bad = [b for b in names if b not in alias]
+    if bad or not names:
+        raise MoetuneError(f"unknown baseline {bad[0] if bad else text!r} (choose from {', '.join(BASELINES)})")
+    return list(dict.fromkeys(alias[b] for b in names))
+
+
+def our_model(model: str, precision: str) -> str:
+    """The checkpoint ours runs: the model itself, or its INT8-channel quantization (cached)."""
+    if precision != "int8":
+        return model
+    from engine.weights.presets import cache_root, resolve_model
+    from engine.weights.quantize import quantize_checkpoint
+
+    src = resolve_model(model)
+    dst = cache_root() / "quantized" / f"{src.name}-int8"
+    if not (dst / "config.json").is_file():
+        quantize_checkpoint(src, dst, "int8")
+    return str(dst)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def alternate(engines: dict, prompt: list[int], decode: int, repeats: int) -> dict[str, list[dict]]:
+    """engine name → its runs; one warm-up each, then ours, theirs, … `repeats` times."""
+    from tqdm import tqdm
+
+    for run in engines.values():
+        run(prompt, 2)
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in tqdm(range(repeats), desc=f"P={len(prompt)} D={decode}", leave=False):
+        for name, run in engines.items():
+            runs[name].append(run(prompt, decode))
+    return runs
+
+
+def io_metrics(runs: list[dict], prompt: int) -> dict[str, tuple[list[float], str, str]]:
+    """metric → (samples, unit, direction)."""
+    return {"ttft_s": ([r["ttft_s"] for r in runs], "s", "minimize"),
+            "tpot_s": ([r["decode_s"] / r["decoded"] for r in runs if r["decoded"]], "s", "minimize"),
+            "prefill_tok_s": ([prompt / r["ttft_s"] for r in runs], "tok/s", "maximize"),
+            "decode_tok_s": ([r["decoded"] / r["decode_s"] for r in runs if r["decoded"]], "tok/s", "maximize")}
+
+
+def rows_for(engine: str, metrics: dict, workload: dict, model: str, fmt: str, settings: dict) -> list[dict]:
+    return [{"model": model, "format": fmt, "workload": workload, "metric": m, "unit": unit, "direction": d,
+             "samples": samples, "extra": {"engine": engine, "settings": settings}}
+            for m, (samples, unit, d) in metrics.items() if samples]
+
+
+def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> list[dict]:
+    """io / ttft workloads: ours vs llama.cpp on the whole model."""
+    import torch
+
+    from engine.llm import LLM
+    from suites.baselines.llamacpp import LlamaCpp, ensure_gguf, require_llama_cpp
+    from suites.e2e import run_once
+
+    if "llama.cpp" not in baselines:
+        return []
+    require_llama_cpp()
+    dtype, gtype = PRECISIONS[args.precision]
+    longest = max(w["prompt"] + w["decode"] for w in workloads)
+    gguf = ensure_gguf(our_model(args.model, args.precision), gtype)
+    llm = LLM(our_model(args.model, args.precision), dtype=dtype,
+              knobs={"threads": threads, "max_total_tokens": max(4096, longest + 64)})
+    ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,
+                     "backend": llm.knobs["kernel_backend"], "torch": torch.__version__}
+    rows = []
+    with LlamaCpp(gguf, threads, n_ctx=max(4096, longest + 64)) as ll:
+        theirs_settings = {**ll.settings, "gguf_type": gtype}
+        for w in workloads:
+            g = torch.Generator().manual_seed(w["prompt"])
+            prompt = torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
+            runs = alternate({"moetune": lambda p, d: run_once(llm, p, d), "llama.cpp": ll.run_once},
+                             prompt, w["decode"], args.repeats)
+            for engine, settings in (("moetune", ours_settings), ("llama.cpp", theirs_settings)):
+                m = io_metrics(runs[engine], w["prompt"])
+                if w["kind"] == "ttft":
+                    m = {k: v for k, v in m.items() if k in ("ttft_s", "prefill_tok_s")}
+                rows += rows_for(engine, m, w, args.model, args.precision, settings)
+    return rows
+
+
+def run_moe(args, workloads: list[dict], threads: int) -> list[dict]:
+    """moe workloads: our fused MoE vs kt-kernel's on the same layer, weights and inputs."""
+    import kernels
+    from engine.knobs import resolve_knobs
+    import numpy as np
+    import torch
+
+    from suites.baselines.ktkernel import METHODS, SHAPES, KtKernel, our_inputs, our_layer, relative_error, time_ours
+
+    fmt = "bf16" if args.precision in ("bf16", "fp32") else args.precision
+    if args.moe_shape not in SHAPES:
+        raise MoetuneError(f"--moe-shape must be one of {', '.join(SHAPES)}")
+    if fmt not in METHODS:
+        raise MoetuneError(f"kt-kernel has no {fmt} MoE class")
+    shape, E = SHAPES[args.moe_shape], args.moe_experts
+    torch.set_num_threads(threads)
+    backend_name = resolve_knobs({})["kernel_backend"]
+    backend = kernels.get_backend(backend_name)
+    w13, w2 = our_layer(fmt, E, shape, seed=0)
+    model = f"moe-{args.moe_shape}-{E}e"
+    rows = []
+    with KtKernel(threads) as kt:
+        load = kt.load(fmt, E, shape, seed=0, max_len=max(w["tokens"] for w in workloads))
+        kt_settings = {"engine": "kt-kernel", "threads": threads, "version": "0.7.2", **kt.setup,
+                       "method": load["method"], "rss_growth": load["rss_growth"]}
+        kt_settings.pop("classes", None)
+        ours_settings = {"engine": "moetune", "threads": threads, "backend": backend_name, "format": fmt,
+                         "weight_bytes": int(w13.nbytes + w2.nbytes)}
+        for w in workloads:
+            T = w["tokens"]
+            x, wts, ids = our_inputs(E, shape, T, seed=T)
+            time_ours(backend, w13, w2, x, wts, ids, 0)  # warm-up
+            kt.forward(T, seed=T, repeats=1)
+            ours, theirs, err = [], [], None
+            for _ in range(args.repeats):
+                t, y = time_ours(backend, w13, w2, x, wts, ids, 1, warmup=0)
+                ours += t
+                r = kt.forward(T, seed=T, repeats=1, warmup=0)
+                theirs += r["seconds"]
+                if r["output"] is not None:
+                    err = relative_error(y, np.asarray(r["output"]))
+            for engine, samples, settings in (("moetune", ours, ours_settings), ("kt-kernel", theirs, kt_settings)):
+                rows += rows_for(engine, {"moe_s": (samples, "s", "minimize")}, w, model, fmt,
+                                 {**settings, "rel_err_vs_other": err})
+    return rows
+
+
+# ------------------------------------------------------------------ output
+
+
+def _spread(samples: list[float], scale: float) -> str:
+    s = sorted(samples)
+    return f"{statistics.median(s) * scale:.4g} [{s[0] * scale:.3g}–{s[-1] * scale:.3g}]"
+
+
+def table(rows: list[dict]) -> str:
+    """llama-bench compare style: one line per workload × metric, ours vs each baseline, ratio."""
+    by: dict[tuple, dict[str, list[float]]] = {}
+    units = {}
+    for r in rows:
+        key = (json.dumps(r["workload"], sort_keys=True), r["metric"])
+        by.setdefault(key, {})[r["extra"]["engine"]] = r["samples"]
+        units[r["metric"]] = (r["unit"], r["direction"])
+    lines = ["| workload | metric | moetune: median [min–max] | baseline | baseline: median [min–max] | ratio |",
+             "|---|---|---|---|---|---|"]
+    for (wl, metric), engines in by.items():
+        unit, direction = units[metric]
+        scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
+        w = json.loads(wl)
+        label = {"io": lambda: f"io {w['prompt']}/{w['decode']}", "ttft": lambda: f"prompt {w['prompt']}",
+                 "moe": lambda: f"moe T={w.get('tokens')}"}[w["kind"]]()
+        ours = engines.get("moetune")
+        for name, theirs in engines.items():
+            if name == "moetune" or not ours:
+                continue
+            a, b = statistics.median(ours), statistics.median(theirs)
+            ratio = b / a if direction == "minimize" else a / b
+            lines.append(f"| {label} | {metric} ({shown}) | {_spread(ours, scale)} | {name} | "
+                         f"{_spread(theirs, scale)} | {ratio:.2f}× |")
+    return "\n".join(lines)
+
+
+def run_compare(args) -> int:
+    from results.store import append_rows, new_run_id
+    from tuner.fingerprint import fingerprint
+
+    if args.repeats < 1:
+        raise MoetuneError("--repeats must be ≥ 1 (≥ 5 for published figures)")
+    baselines = parse_baselines(args.baselines)
+    workloads = parse_workloads(args.workloads)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    lm = [w for w in workloads if w["kind"] != "moe"]
+    moe = [w for w in workloads if w["kind"] == "moe"]
+    rows = []
+    if lm and "llama.cpp" in baselines:
+        rows += run_lm(args, lm, threads, baselines)
+    if moe and "ktransformers" in baselines:
+        rows += run_moe(args, moe, threads)
+    if not rows:
+        raise MoetuneError("nothing to compare: io/ttft workloads need llama.cpp, moe workloads need ktransformers")
+    fp = fingerprint()
+    for r in rows:
+        r["extra"]["machine"] = {k: fp.get(k) for k in ("cpu_model", "hash", "hardware_key")}
+    run_id = new_run_id()
+    append_rows(rows, "compare", run_id=run_id)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r, default=str))
+        return 0
+    models = ", ".join(dict.fromkeys(r["model"] for r in rows))
+    print(f"moetune compare — {models} ({args.precision}), {threads} threads, {args.repeats} alternating "
+          f"repeats, on {fp.get('cpu_model')} [{fp.get('hash')}], run {run_id}")
+    print(table(rows))
+    print("ratio: baseline time / ours (or ours / baseline for rates): > 1 means moetune is faster", file=sys.stderr)
+    return 0

@@ -1,0 +1,94 @@
+"""llama.cpp (through llama-cpp-python) as a JSON-lines worker: load a GGUF, greedy tokens, timings.
+
+Run by path (`python suites/baselines/llamacpp_worker.py`), driven by suites/baselines/llamacpp.py.
+Ops:
+    info                                        versions, ggml system info (ISA flags it was built with)
+    load   path, threads, n_ctx, n_batch        RSS before/after, model bytes and parameters
+    greedy prompt (ids), n                      the n greedy tokens (argmax of the logits)
+    time   prompt (ids), n_decode               ttft_s (prompt eval + first argmax), decode_s for
+                                                n_decode more tokens, llama-bench style: a fresh
+                                                context each call, one token per eval when decoding
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jsonl import serve  # noqa: E402
+
+_state: dict = {}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def info() -> dict:
+    import llama_cpp
+
+    return {"llama_cpp_python": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+
+
+def load(path: str, threads: int, n_ctx: int = 4096, n_batch: int = 512) -> dict:
+    import llama_cpp
+
+    before = _rss_bytes()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                          n_threads_batch=threads, verbose=False, logits_all=False, use_mmap=False)
+    _state["llm"] = llm
+    return {"rss_before": before, "rss_after": _rss_bytes(),
+            "model_bytes": int(llama_cpp.llama_model_size(llm.model)),
+            "n_params": int(llama_cpp.llama_model_n_params(llm.model)),
+            "n_vocab": int(llm.n_vocab()), "n_ctx": int(llm.n_ctx())}
+
+
+def _llm():
+    if "llm" not in _state:
+        raise RuntimeError("no model loaded: call load first")
+    return _state["llm"]
+
+
+def _argmax_last(llm) -> int:
+    return int(llm.scores[llm.n_tokens - 1].argmax())
+
+
+def _check(prompt, n) -> None:
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+        raise ValueError("prompt must be a non-empty list of token ids")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError("the number of tokens must be an integer ≥ 1")
+
+
+def greedy(prompt: list, n: int) -> dict:
+    _check(prompt, n)
+    llm = _llm()
+    llm.reset()
+    llm.eval(prompt)
+    out = [_argmax_last(llm)]
+    while len(out) < n:
+        llm.eval([out[-1]])
+        out.append(_argmax_last(llm))
+    return {"tokens": out}
+
+
+def time_run(prompt: list, n_decode: int) -> dict:
+    _check(prompt, n_decode)
+    llm = _llm()
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    tok = _argmax_last(llm)
+    t1 = time.perf_counter()
+    for _ in range(n_decode):
+        llm.eval([tok])
+        tok = _argmax_last(llm)
+    t2 = time.perf_counter()
+    return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decoded": n_decode, "rss": _rss_bytes()}
+
+
+if __name__ == "__main__":
+    sys.exit(serve({"info": info, "load": load, "greedy": greedy, "time": time_run}))
