@@ -1,0 +1,193 @@
+"""Baselines: the GGUF export (read back; run by llama.cpp against our greedy tokens) and the
+JSON-lines worker protocol on its error paths (kt-kernel's worker, fake workers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import MoetuneError
+from engine.weights.presets import PRESETS, ensure_preset
+from suites.baselines.client import BaselineError, Worker
+from suites.baselines.gguf_export import export_gguf, group_keys, plan_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+KT_WORKER = ROOT / "suites" / "baselines" / "kt_worker.py"
+N_TOKENS = 32
+
+
+# ------------------------------------------------------------------ the export itself
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
+    export_gguf("tiny", out, "f32", progress=False)
+    return out
+
+
+def test_gguf_metadata_and_mla_split(tiny_f32):
+    """Read back: routing keys, MQA view of MLA, and k_b / v_b equal to slices of kv_b_proj."""
+    import gguf
+    from safetensors import safe_open
+
+    r = gguf.GGUFReader(tiny_f32)
+    kv = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("tokenizer.ggml.")}
+    cfg = ModelConfig.from_dict(PRESETS["tiny"])
+    assert kv["general.architecture"] == "deepseek2"
+    assert kv["deepseek2.expert_gating_func"] == int(gguf.ExpertGatingFuncType.SIGMOID)
+    assert (kv["deepseek2.expert_group_count"], kv["deepseek2.expert_group_used_count"]) == (4, 2)
+    assert kv["deepseek2.attention.head_count_kv"] == 1
+    assert kv["deepseek2.attention.key_length"] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    tensors = {t.name: t for t in r.tensors}
+    assert "blk.1.ffn_gate_exps.weight" in tensors and "blk.1.exp_probs_b.bias" in tensors
+    assert not any("kv_b" in n for n in tensors)
+    src = ensure_preset("tiny", progress=False)
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), "pt") as f:
+        kv_b = f.get_tensor("model.layers.0.self_attn.kv_b_proj.weight").float()
+    H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    per_head = kv_b.view(H, N + V, -1)
+    k_b = np.asarray(tensors["blk.0.attn_k_b.weight"].data).reshape(H, cfg.kv_lora_rank, N)
+    v_b = np.asarray(tensors["blk.0.attn_v_b.weight"].data).reshape(H, V, cfg.kv_lora_rank)
+    torch.testing.assert_close(torch.from_numpy(k_b.copy()), per_head[:, :N].transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(torch.from_numpy(v_b.copy()), per_head[:, N:], rtol=0, atol=0)
+    tok = r.fields["tokenizer.ggml.model"].contents()
+    assert tok == "gpt2" and len(r.fields["tokenizer.ggml.tokens"].contents()) == cfg.vocab_size
+
+
+def test_gguf_group_rules():
+    """topk_group ≥ n_group is a no-op limit (keys left out); indivisible groups are refused."""
+    base = dict(PRESETS["tiny"])
+    assert group_keys(ModelConfig.from_dict(base)) == (4, 2)
+    assert group_keys(ModelConfig.from_dict({**base, "topk_group": 4})) is None
+    assert group_keys(ModelConfig.from_dict({**base, "n_group": 1, "topk_group": 1})) is None
+    from suites.baselines.gguf_export import check_exportable
+
+    with pytest.raises(MoetuneError, match="not divisible"):
+        check_exportable(ModelConfig.from_dict({**base, "n_group": 3, "topk_group": 1}))
+
+
+def test_gguf_q8_keeps_odd_rows_unquantized(tmp_path):
+    """Q8_0 blocks are 32 wide: tiny's k_b rows (16) stay BF16; norms and the router stay F32."""
+    s = export_gguf("tiny", tmp_path / "q8.gguf", "q8_0", progress=False)
+    assert s["tensors"]["Q8_0"] > 0 and s["tensors"]["F32"] > 0 and s["tensors"]["BF16"] > 0
+    cfg = ModelConfig.from_dict(PRESETS["tiny"])
+    plans = plan_tensors(cfg, {"model.layers.0.self_attn.kv_b_proj.weight": (64, 32)})
+    assert [(p.name, p.shape) for p in plans] == [("blk.0.attn_k_b.weight", (4, 32, 16)),
+                                                 ("blk.0.attn_v_b.weight", (4, 16, 32))]
+
+
+# ------------------------------------------------------------------ llama.cpp runs it
+
+
+def _llama_cpp_or_skip():
+    """Import llama_cpp, installing the extra when missing (pip caches the compiled wheel)."""
+    try:
+        import llama_cpp  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    print("\nllama-cpp-python missing: installing it (compiles llama.cpp, ≈15 min on 2 cores the first time)",
+          file=sys.stderr)
+    env = {**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python==0.3.36"],
+                       env=env, capture_output=True, text=True, timeout=40 * 60)
+    if r.returncode:
+        reason = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+        print(f"llama-cpp-python could not be built here: {reason}", file=sys.stderr)
+        pytest.skip(f"llama-cpp-python could not be built: {reason}")
+
+
+def test_llama_cpp_greedy_tokens_match_ours(tiny_f32):
+    """f32 export of `tiny`: llama.cpp's first 32 greedy tokens are ours (float32 both sides)."""
+    _llama_cpp_or_skip()
+    from engine.llm import LLM, SamplingParams
+    from suites.baselines.llamacpp import LlamaCpp
+
+    llm = LLM("tiny", dtype="float32", knobs={"kernel_backend": "reference"}, progress=False)
+    prompts = [[0, 17, 250, 33, 101, 7, 480, 66], [0] + list(range(100, 140))]
+    with LlamaCpp(tiny_f32, threads=1, n_ctx=256) as ll:
+        assert ll.load["n_vocab"] == 512
+        for prompt in prompts:
+            ours = llm.generate(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0].token_ids
+            theirs = ll.greedy(prompt, N_TOKENS)
+            agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), N_TOKENS)
+            print(f"\nprompt of {len(prompt)}: {agree}/{N_TOKENS} greedy tokens agree")
+            assert agree == N_TOKENS, (ours, theirs)
+
+
+# ------------------------------------------------------------------ the worker protocol
+
+
+def _kt_worker() -> Worker:
+    """kt_worker.py in *our* interpreter: kt_kernel is absent here, the protocol is the same."""
+    return Worker([sys.executable, str(KT_WORKER)], "kt-kernel", timeout_s=60)
+
+
+def test_worker_protocol_error_paths():
+    with _kt_worker() as w:
+        with pytest.raises(BaselineError, match="unknown op 'nope'"):
+            w.call("nope")
+        with pytest.raises(BaselineError, match="call setup first"):
+            w.call("load", method="AMXInt8_MOE", experts=8, topk=2, hidden=256, inter=256)
+        with pytest.raises(BaselineError, match="threads must be an integer"):
+            w.call("setup", threads=0)
+        with pytest.raises(BaselineError, match="unexpected keyword argument 'colour'"):
+            w.call("forward", colour="red")
+        with pytest.raises(BaselineError, match="kt_kernel is not installed"):
+            w.call("setup", threads=1)
+        w.proc.stdin.write(b"{not json\n")  # a malformed request gets an error reply, the loop goes on
+        w.proc.stdin.flush()
+        assert json.loads(w._readline(10))["ok"] is False
+        with pytest.raises(BaselineError, match="call load first"):
+            w.call("forward", tokens=1)
+
+
+@pytest.mark.parametrize("script, match", [
+    ("import sys; sys.stderr.write('boom: bad instruction\\n'); sys.exit(3)", r"exited \(code 3\).*boom"),
+    ("import sys; sys.stdin.readline(); print('hello', flush=True); sys.stdin.readline()", "not JSON"),
+    ("import sys; sys.stdin.readline(); print('[1]', flush=True); sys.stdin.readline()", "malformed reply"),
+    ("import sys, time; sys.stdin.readline(); time.sleep(30)", "no reply within 1 s"),
+])
+def test_worker_failures_become_one_line_errors(script, match):
+    with Worker([sys.executable, "-c", script], "fake", timeout_s=1) as w:
+        with pytest.raises(BaselineError, match=match):
+            w.call("info")
+        assert w.proc.poll() is not None or match == "not JSON" or match == "malformed reply"
+
+
+def test_kt_kernel_layer_matches_ours():
+    """The real kt-kernel (own virtualenv, made when missing): BF16 layer = our reference on the
+    same weights and inputs; its refusals (too many tokens, unknown class) come back as errors."""
+    from suites.baselines.ktkernel import KtKernel, ensure_kt_venv, our_inputs, our_layer, relative_error, time_ours
+
+    try:
+        py = ensure_kt_venv(progress=False)
+    except BaselineError as e:
+        print(f"kt-kernel virtualenv could not be made: {e}", file=sys.stderr)
+        pytest.skip(f"kt-kernel virtualenv could not be made: {e}")
+    import kernels
+
+    shape, E = (256, 256, 2), 8
+    with KtKernel(threads=1, python=py) as kt:
+        print(f"\nkt-kernel variant here: {kt.setup['loaded']} (detected {kt.info['detected']})")
+        with pytest.raises(BaselineError, match="no MoE class 'Nope_MOE'"):
+            kt.worker.call("load", method="Nope_MOE", experts=E, topk=2, hidden=256, inter=256)
+        kt.load("bf16", E, shape, seed=0, max_len=4)
+        w13, w2 = our_layer("bf16", E, shape, seed=0)
+        for t in (1, 3):
+            x, wts, ids = our_inputs(E, shape, t, seed=t)
+            _, ours = time_ours(kernels.get_backend("reference"), w13, w2, x, wts, ids, repeats=1, warmup=0)
+            theirs = np.asarray(kt.forward(t, seed=t, repeats=1)["output"])
+            assert relative_error(theirs, ours) < 1e-2
+        with pytest.raises(BaselineError, match="tokens must be an integer in 1..64"):
+            kt.forward(65, seed=0, repeats=1)
