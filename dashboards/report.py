@@ -2,6 +2,7 @@
 
     DIR/plotly.min.js        written once, beside the pages (no network needed)
     DIR/index.html           tuned vs defaults (with spreads), kernel rooflines, baselines, study list
+    DIR/compare.html         `moetune compare` runs: TTFT/TPOT/MoE bars with spreads, ratio tables
     DIR/study-<n>.html       per study: tuning history + best so far, knob importances,
                              parallel coordinates, Pareto front (two objectives)
 
@@ -75,6 +76,12 @@ def build_report(out: Path | None = None, results: Path | None = None) -> Path:
             name = f"study-{slug(study)}.html"
             _write(out / name, f"Study {study}", study_figures(rows))
             links.append(f'<li><a href="{name}">{html.escape(study)}</a> ({rows["trial"].nunique()} trials)</li>')
+    from dashboards.compare import compare_parts
+
+    compare = compare_parts(df, _div)
+    if compare:  # `moetune compare` runs: their own page
+        _write(out / "compare.html", "moetune vs baselines", compare)
+        links.append('<li><a href="compare.html">moetune vs baselines (moetune compare)</a></li>')
     body = overview_figures(df) + [f"<h2>Studies</h2><ul>{''.join(links) or '<li>none yet</li>'}</ul>"]
     _write(out / "index.html", "moetune report", body)
     return out

@@ -191,3 +191,31 @@ def test_kt_kernel_layer_matches_ours():
             assert relative_error(theirs, ours) < 1e-2
         with pytest.raises(BaselineError, match="tokens must be an integer in 1..64"):
             kt.forward(65, seed=0, repeats=1)
+
+
+# ------------------------------------------------------------------ compare: parsing, table, page
+
+
+def test_compare_workloads_table_and_page(tmp_path):
+    from dashboards.report import build_report
+    from results.store import append_rows
+    from suites.baselines.compare import parse_baselines, parse_workloads, rows_for, table
+
+    assert parse_workloads("io:128/32,ttft:512;2048,moe:1") == [
+        {"kind": "io", "prompt": 128, "decode": 32}, {"kind": "ttft", "prompt": 512, "decode": 2},
+        {"kind": "ttft", "prompt": 2048, "decode": 2}, {"kind": "moe", "tokens": 1}]
+    for bad in ("io:128", "speed:3", "io:0/4", ""):
+        with pytest.raises(MoetuneError):
+            parse_workloads(bad)
+    assert parse_baselines("kt,llama.cpp,llamacpp") == ["ktransformers", "llama.cpp"]
+    with pytest.raises(MoetuneError, match="unknown baseline"):
+        parse_baselines("vllm")
+    w = {"kind": "io", "prompt": 8, "decode": 4}
+    rows = (rows_for("moetune", {"ttft_s": ([0.1, 0.2, 0.1], "s", "minimize")}, w, "tiny", "bf16", {"threads": 1})
+            + rows_for("llama.cpp", {"ttft_s": ([0.3, 0.3, 0.4], "s", "minimize")}, w, "tiny", "bf16", {"threads": 1}))
+    text = table(rows)
+    assert "| io 8/4 | ttft_s (ms) | 100 [100–200] | llama.cpp | 300 [300–400] | 3.00× |" in text
+    append_rows(rows, "compare", directory=tmp_path / "res")
+    out = build_report(tmp_path / "rep", tmp_path / "res")
+    page = (out / "compare.html").read_text()
+    assert 'id="compare"' in page and "3.00×" in page and "compare.html" in (out / "index.html").read_text()

@@ -1,0 +1,93 @@
+"""The comparison page of `moetune report` (compare.html): `moetune compare` rows of the store.
+
+Per run (latest first): bars of each time metric (TTFT, TPOT, MoE layer) per workload and engine,
+median with p10–p90 error bars, and a ratio table in llama-bench's compare style (baseline /
+ours: > 1 means moetune is faster), with the settings each engine ran with.
+"""
+from __future__ import annotations
+
+import html
+import json
+
+TIME_METRICS = ("ttft_s", "tpot_s", "moe_s")
+FIGURE_ID = "compare"
+
+
+def workload_label(text: str) -> str:
+    w = json.loads(text) if isinstance(text, str) else {}
+    if w.get("kind") == "io":
+        return f"io {w['prompt']}/{w['decode']}"
+    if w.get("kind") == "ttft":
+        return f"prompt {w['prompt']}"
+    if w.get("kind") == "moe":
+        return f"MoE T={w['tokens']}"
+    return str(text)[:30]
+
+
+def compare_figure(rows):
+    """One subplot per time metric present; bars per engine, in milliseconds."""
+    from plotly.subplots import make_subplots
+
+    rows = rows.assign(engine=[json.loads(e).get("engine", "?") for e in rows["extra"]],
+                       label=[workload_label(w) for w in rows["workload"]])
+    metrics = [m for m in TIME_METRICS if (rows["metric"] == m).any()]
+    fig = make_subplots(rows=1, cols=max(len(metrics), 1), subplot_titles=[f"{m} (ms)" for m in metrics])
+    colours = {}
+    for j, metric in enumerate(metrics, start=1):
+        sel = rows[rows["metric"] == metric]
+        for engine, part in sel.groupby("engine", sort=False):
+            colour = colours.setdefault(engine, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"][len(colours) % 4])
+            fig.add_bar(name=engine, x=part["label"], y=part["median"] * 1e3, marker_color=colour,
+                        legendgroup=engine, showlegend=j == 1, row=1, col=j,
+                        error_y=dict(type="data", symmetric=False, array=(part["p90"] - part["median"]) * 1e3,
+                                     arrayminus=(part["median"] - part["p10"]) * 1e3))
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def ratio_table(rows) -> str:
+    """HTML: workload | metric | moetune | baseline | baseline value | ratio."""
+    out = ["<table><tr><th>workload</th><th>metric</th><th>moetune median [p10–p90]</th><th>baseline</th>"
+           "<th>baseline median [p10–p90]</th><th>ratio</th></tr>"]
+    rows = rows.assign(engine=[json.loads(e).get("engine", "?") for e in rows["extra"]])
+    for (wl, metric), grp in rows.groupby(["workload", "metric"], sort=False):
+        ours = grp[grp["engine"] == "moetune"]
+        if not len(ours):
+            continue
+        o = ours.iloc[-1]
+        for _, t in grp[grp["engine"] != "moetune"].iterrows():
+            ratio = t["median"] / o["median"] if o["direction"] == "minimize" else o["median"] / t["median"]
+            fmt = (lambda r: f"{r['median']:.4g} [{r['p10']:.3g}–{r['p90']:.3g}] {r['unit']}")
+            out.append(f"<tr><td>{html.escape(workload_label(wl))}</td><td>{html.escape(metric)}</td>"
+                       f"<td>{fmt(o)}</td><td>{html.escape(t['engine'])}</td><td>{fmt(t)}</td>"
+                       f"<td><b>{ratio:.2f}×</b></td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def settings_list(rows) -> str:
+    seen = {}
+    for e in rows["extra"]:
+        x = json.loads(e)
+        seen.setdefault(x.get("engine", "?"), x.get("settings", {}))
+    items = "".join(f"<li><b>{html.escape(k)}</b>: <code>{html.escape(json.dumps(v, sort_keys=True))}</code></li>"
+                    for k, v in seen.items())
+    return f"<ul>{items}</ul>"
+
+
+def compare_parts(df, div) -> list[str]:
+    """Page parts, newest run first; `div(fig, id, title)` is the report's figure wrapper."""
+    rows = df[df["suite"] == "compare"] if len(df) else df
+    if not len(rows):
+        return []
+    parts = ["<p>Alternating runs on one machine; ratio = baseline / moetune for times, moetune / baseline "
+             "for rates (&gt; 1: moetune faster). Only figures measured here appear on this page.</p>"]
+    for i, run in enumerate(sorted(rows["run_id"].unique(), reverse=True)):
+        sel = rows[rows["run_id"] == run]
+        title = f"Run {run}: {', '.join(sel['model'].unique())} ({', '.join(sel['format'].dropna().unique())})"
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(div(compare_figure(sel), FIGURE_ID if i == 0 else f"{FIGURE_ID}-{i}",
+                         "Median, bars p10–p90"))
+        parts.append(ratio_table(sel))
+        parts.append(settings_list(sel))
+    return parts
