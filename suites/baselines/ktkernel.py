@@ -104,25 +104,31 @@ class KtKernel:
 
 
 def our_layer(fmt: str, experts: int, shape: tuple[int, int, int], seed: int):
-    """(w13, w2) in our formats from the same BF16 bits kt-kernel gets."""
+    """(w13, w2) in our formats from the same BF16 bits kt-kernel gets; quantized expert by expert
+    (a float32 copy of a whole V3-sized stack would not fit beside kt-kernel's)."""
+    import dataclasses
+
     import torch
 
     from kernels.formats import DenseWeight, quantize_int4_group, quantize_int8_channel
     from suites.baselines.kt_worker import random_experts
 
+    quant = {"bf16": DenseWeight, "int8": quantize_int8_channel, "int4": quantize_int4_group}.get(fmt)
+    if quant is None:
+        raise BaselineError(f"unknown format {fmt!r}")
     D, I, _ = shape
     gate, up, down = random_experts(experts, D, I, seed)
     as_bf16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-    w13 = torch.cat([as_bf16(gate), as_bf16(up)], dim=1)  # [E, 2I, D]
-    w2 = as_bf16(down)
-    del gate, up, down
-    if fmt == "bf16":
-        return DenseWeight(w13.contiguous()), DenseWeight(w2.contiguous())
-    if fmt == "int8":
-        return quantize_int8_channel(w13), quantize_int8_channel(w2)
-    if fmt == "int4":
-        return quantize_int4_group(w13), quantize_int4_group(w2)
-    raise BaselineError(f"unknown format {fmt!r}")
+
+    def stacked(parts):
+        return type(parts[0])(**{f.name: torch.stack([getattr(p, f.name) for p in parts])
+                                 if isinstance(getattr(parts[0], f.name), torch.Tensor) else getattr(parts[0], f.name)
+                                 for f in dataclasses.fields(parts[0])})
+
+    w13 = stacked([quant(torch.cat([as_bf16(gate[e]), as_bf16(up[e])]).clone()) for e in range(experts)])
+    del gate, up
+    w2 = stacked([quant(as_bf16(down[e]).clone()) for e in range(experts)])
+    return w13, w2
 
 
 def our_inputs(experts: int, shape: tuple[int, int, int], tokens: int, seed: int):
