@@ -9,16 +9,15 @@ namespace moetune {
 
 float g_fp8_lut[256];
 
-// The LUT holds exactly what the vector path computes: byte sign-extended, << 20, & 0x87F00000.
+// The LUT holds exactly what the vector path computes for each byte.
 static const bool kLutReady = [] {
   for (int b = 0; b < 256; ++b) {
-    uint32_t v = ((uint32_t)(int32_t)(int8_t)b << 20) & 0x87F00000u;
-    std::memcpy(&g_fp8_lut[b], &v, 4);
+    alignas(64) float v[16];
+    _mm512_store_ps(v, fp8x16_to_f32(_mm_set1_epi8((char)b)));
+    g_fp8_lut[b] = v[0];
   }
   return true;
 }();
-
-
 
 // ------------------------------------------------------------------ microkernel table
 
