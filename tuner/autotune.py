@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     a.add_argument("--decode", type=int, default=4, help="output tokens per request")
     a.add_argument("--batch", type=int, default=4, help="requests together (throughput)")
     a.add_argument("--latency-limit", type=float, default=10.0, help="most s/token (throughput)")
+    a.add_argument("--op", action="append", help="kernel tier: only this op (repeatable)")
+    a.add_argument("--format", action="append", help="kernel tier: only this weight format (repeatable)")
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--seed", type=int)
     a.set_defaults(func=run_autotune)
@@ -104,13 +106,19 @@ def _kernels(args, cfg, t0: float) -> int:
     from tuner.kernel_tier import kernel_ops, tune_op
     from tuner.profile import Profile, load_profile, profile_path, save_profile
 
-    ops = kernel_ops()
+    ops = {n: op for n, op in kernel_ops().items() if not args.op or n in args.op}
     if not ops:
-        raise MoetuneError("no kernel op is registered for tuning (the kernel tier needs a backend "
-                           "whose ops take tile knobs; see tuner/kernel_tier.py)")
+        raise MoetuneError(f"no kernel op to tune (registered: {', '.join(kernel_ops()) or 'none'}; the "
+                           "kernel tier needs a backend whose ops take tile knobs, see tuner/kernel_tier.py)")
+    studies = sum(len([f for f in op.formats if not args.format or f in args.format]) * len(op.buckets)
+                  for op in ops.values())
     if cfg.time_budget_s is not None:
-        cfg.time_budget_s /= sum(len(op.formats) * len(op.buckets) for op in ops.values())
-    tables = {name: tune_op(op, cfg, args.storage) for name, op in ops.items()}
+        cfg.time_budget_s = max(0.0, cfg.time_budget_s - (time.monotonic() - t0)) / max(1, studies)
+
+    def show(fmt, bucket, result, tuner):
+        print(f"\n{tuner.study_name}:{gain_table(result, tuner)}")
+
+    tables = {name: tune_op(op, cfg, args.storage, args.format, show) for name, op in ops.items()}
     mkey = _model_key(args)
     path = profile_path(fingerprint()["hardware_key"], mkey)
     prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))

@@ -70,12 +70,14 @@ def register_cpu_ops() -> bool:
     names = tuple(n for n in getattr(cpu, "KNOB_DEFAULTS", {}) if n in CATALOGUE)
     if not names:
         return False
+    linear_knobs = tuple(n for n in names if n != "cpu_moe_block_n")  # each op: the tiles it reads
+    moe_knobs = tuple(n for n in names if n != "cpu_linear_block_n")
     register_kernel_op(KernelOp(
-        "linear", names, FORMATS, BUCKETS, _linear_inputs,
+        "linear", linear_knobs, FORMATS, BUCKETS, _linear_inputs,
         run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
         reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work))
     register_kernel_op(KernelOp(
-        "fused_moe", names, FORMATS, BUCKETS, _moe_inputs,
+        "fused_moe", moe_knobs, FORMATS, BUCKETS, _moe_inputs,
         run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
         reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2, rtol=3e-2,
         work=_moe_work))

@@ -110,10 +110,12 @@ class KernelObjective:
         return timed
 
 
-def tune_op(op: KernelOp, cfg: TuneConfig, storage: str | None = None) -> list[dict]:
-    """Tune every format × bucket of `op`; returns its table rows {format, bucket..., knobs...}."""
+def tune_op(op: KernelOp, cfg: TuneConfig, storage: str | None = None, formats=None,
+            on_result: Callable | None = None) -> list[dict]:
+    """Tune every format (or those of `formats`) × bucket of `op`; returns its table rows
+    {format, bucket..., knobs...}; `on_result(fmt, bucket, result, tuner)` sees each study's end."""
     rows = []
-    for fmt in op.formats:
+    for fmt in [f for f in op.formats if not formats or f in formats]:
         for bucket in op.buckets:
             obj = KernelObjective(op, fmt, bucket)
             space = SearchSpace.from_catalogue(list(op.knobs), catalogue=op.catalogue, exclude_components=())
@@ -122,6 +124,8 @@ def tune_op(op: KernelOp, cfg: TuneConfig, storage: str | None = None) -> list[d
             result = tuner.run()
             if result.interrupted:
                 raise KeyboardInterrupt
+            if on_result:
+                on_result(fmt, bucket, result, tuner)
             rows.append({"format": fmt, **bucket, **(result.knobs or tuner.defaults)})
     return rows
 
