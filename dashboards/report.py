@@ -265,30 +265,61 @@ def tuned_vs_defaults_figure(confirm):
     return fig
 
 
-def roofline_figure(kern, probe):
-    """Each kernel row at (flops / bytes, GFLOP/s); the roof min(peak, bandwidth × intensity)."""
+def _work(extra: dict, seconds: float) -> tuple[float, float]:
+    """(bytes, flops) of one kernel row: given directly (tuner rows: bytes, flops) or derived from
+    the kernel suite's weight_bytes / gbps and gflops."""
+    nbytes = extra.get("bytes") or extra.get("weight_bytes") or extra.get("gbps", 0) * 1e9 * seconds
+    flops = extra.get("flops") or extra.get("gflops", 0) * 1e9 * seconds
+    return float(nbytes or 0), float(flops or 0)
+
+
+def probe_limits(probe_rows) -> dict[str, float]:
+    """read_bw_gbps and peak_gflops_<path> from "probe" rows, else from tuner.probe's cached
+    result for this machine (never measured here)."""
+    limits = {m: v for m, v in zip(probe_rows["metric"], probe_rows["median"])} if len(probe_rows) else {}
+    if limits:
+        return limits
+    try:
+        from tuner.probe import _path
+
+        cached = json.loads(_path().read_text())
+    except (ImportError, OSError, ValueError):
+        return {}
+    out = {"read_bw_gbps": cached.get("read_gbps")}
+    for key, name in (("fp32_fma_gflops", "fp32_fma"), ("int16_madd_gops", "int16_madd"), ("vnni_int8_gops", "vnni_int8")):
+        if cached.get(key):
+            out[f"peak_gflops_{name}"] = cached[key]
+    return {k: v for k, v in out.items() if v}
+
+
+def roofline_figure(kern, probe_rows):
+    """Each kernel row at (flops / bytes, GFLOP/s); the roofs min(peak, read bandwidth × intensity)."""
     import plotly.graph_objects as go
 
-    extra = [json.loads(e) if isinstance(e, str) else {} for e in kern["extra"]]
-    work = [json.loads(w) if isinstance(w, str) else {} for w in kern["workload"]]
-    pts = []
-    for x, w, t in zip(extra, work, kern["median"]):
-        nbytes = x.get("bytes") or (x.get("gbps", 0) * 1e9 * t if t == t else 0)
-        if t and t > 0 and nbytes and x.get("flops"):
-            pts.append((x["flops"] / nbytes, x["flops"] / t / 1e9,
-                        f"{w.get('op', '?')} {w.get('format', '')} T={w.get('tokens', '')}"))
     fig = go.Figure()
-    if pts:
-        fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name="kernels",
-                        text=[p[2] for p in pts])
-    limits = {m: v for m, v in zip(probe["metric"], probe["median"])} if len(probe) else {}
+    for op, sel in kern.assign(op=[json.loads(w).get("op", "?") if isinstance(w, str) else "?"
+                                   for w in kern["workload"]]).groupby("op"):
+        pts = []
+        for e, w, t, fmt in zip(sel["extra"], sel["workload"], sel["median"], sel["format"]):
+            nbytes, flops = _work(json.loads(e) if isinstance(e, str) else {}, t)
+            if t and t > 0 and nbytes and flops:
+                wl = json.loads(w) if isinstance(w, str) else {}
+                pts.append((flops / nbytes, flops / t / 1e9, f"{op} {fmt} T={wl.get('tokens', '')}: "
+                                                               f"{nbytes / t / 1e9:.2f} GB/s"))
+        if pts:
+            fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name=op,
+                            text=[p[2] for p in pts])
+    limits = probe_limits(probe_rows)
     bw = limits.get("read_bw_gbps")
     xs = np.logspace(-2, 3, 60)
     for name, peak in limits.items():
         if name.startswith("peak_gflops") and bw:
-            fig.add_scatter(x=xs, y=np.minimum(peak, bw * xs), mode="lines", name=f"roof: {name.removeprefix('peak_gflops_')}")
+            fig.add_scatter(x=xs, y=np.minimum(peak, bw * xs), mode="lines",
+                            name=f"roof: {bw:.1f} GB/s, {name.removeprefix('peak_gflops_')} {peak:.0f} G/s")
     if bw and not any(n.startswith("peak_gflops") for n in limits):
-        fig.add_scatter(x=xs, y=bw * xs, mode="lines", name="read bandwidth")
+        fig.add_scatter(x=xs, y=bw * xs, mode="lines", name=f"read bandwidth {bw:.1f} GB/s")
+    if not limits:
+        fig.add_annotation(text="no probe result yet (python -m tuner.probe)", showarrow=False)
     fig.update_xaxes(type="log", title="arithmetic intensity (FLOP/byte)")
     fig.update_yaxes(type="log", title="GFLOP/s")
     return fig

@@ -49,6 +49,11 @@ def test_every_figure_renders_without_js_errors(report):
 
 
 def test_report_helpers():
+    from dashboards.report import _work
+
+    assert _work({"bytes": 100, "flops": 50}, 2.0) == (100, 50)
+    assert _work({"weight_bytes": 8e6, "gflops": 4.0}, 0.5) == (8e6, 2e9)  # the kernel suite's rows
+    assert _work({"gbps": 2.0}, 0.25) == (5e8, 0)
     assert pareto_front([(1, 5), (2, 2), (3, 3), (5, 1), (2, 6)]) == [0, 1, 3]
     import pandas as pd
 

@@ -54,11 +54,13 @@ def register_kernel_op(op: KernelOp) -> None:
 
 
 def kernel_ops() -> dict[str, KernelOp]:
-    """The registered ops: the cpu backend's (tuner.cpu_ops, where it runs) and any that
-    suites.kernels registers."""
+    """The registered ops: the cpu backend's (tuner.cpu_ops) and the cuda backend's
+    (tuner.cuda_ops) where they run, and any that suites.kernels registers."""
     from tuner.cpu_ops import register_cpu_ops
+    from tuner.cuda_ops import register_cuda_ops
 
     register_cpu_ops()
+    register_cuda_ops()
     try:
         import suites.kernels  # noqa: F401 - may register adapters of its own
     except ImportError:
