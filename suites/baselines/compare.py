@@ -139,10 +139,10 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
     dtype, gtype = PRECISIONS[args.precision]
     longest = max(w["prompt"] + w["decode"] for w in workloads)
     gguf = ensure_gguf(our_model(args.model, args.precision), gtype)
-    llm = LLM(our_model(args.model, args.precision), dtype=dtype,
-              knobs={"threads": threads, "max_total_tokens": max(4096, longest + 64)})
+    llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads})
     ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,
-                     "backend": llm.knobs["kernel_backend"], "torch": torch.__version__}
+                     "backend": llm.knobs["kernel_backend"], "torch": torch.__version__,
+                     "weight_bytes": sum(getattr(w, "nbytes", 0) for w in llm.model.w.values())}
     rows = []
     with LlamaCpp(gguf, threads, n_ctx=max(4096, longest + 64)) as ll:
         theirs_settings = {**ll.settings, "gguf_type": gtype}
