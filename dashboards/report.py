@@ -229,7 +229,9 @@ def overview_figures(df) -> list[str]:
     if len(confirm):
         parts.append(_div(tuned_vs_defaults_figure(confirm), "tuned-vs-defaults",
                           "Tuned vs defaults: re-measured alternately (median, bars p10–p90)"))
-    kern = df[df["suite"] == "kernels"] if len(df) else df
+    # The kernel suite's rows, and the kernel tier's confirmation rows (defaults and finalists).
+    kern = df[(df["suite"] == "kernels") | ((df["suite"] == "autotune-confirm")
+                                           & df["extra"].fillna("").str.contains('"flops"'))] if len(df) else df
     if len(kern):
         parts.append(_div(roofline_figure(kern, df[df["suite"] == "probe"]), "roofline",
                           "Kernel roofline: achieved GFLOP/s vs arithmetic intensity, probe limits"))
@@ -301,10 +303,12 @@ def roofline_figure(kern, probe_rows):
                                    for w in kern["workload"]]).groupby("op"):
         pts = []
         for e, w, t, fmt in zip(sel["extra"], sel["workload"], sel["median"], sel["format"]):
-            nbytes, flops = _work(json.loads(e) if isinstance(e, str) else {}, t)
+            x = json.loads(e) if isinstance(e, str) else {}
+            nbytes, flops = _work(x, t)
             if t and t > 0 and nbytes and flops:
                 wl = json.loads(w) if isinstance(w, str) else {}
-                pts.append((flops / nbytes, flops / t / 1e9, f"{op} {fmt} T={wl.get('tokens', '')}: "
+                who = f" ({x['label']})" if x.get("label") else ""
+                pts.append((flops / nbytes, flops / t / 1e9, f"{op} {fmt} T={wl.get('tokens', '')}{who}: "
                                                                f"{nbytes / t / 1e9:.2f} GB/s"))
         if pts:
             fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name=op,
