@@ -53,7 +53,12 @@ def _llm():
 
 
 def _argmax_last(llm) -> int:
-    return int(llm.scores[llm.n_tokens - 1].argmax())
+    """Greedy pick from the last evaluated position's logits (Llama.scores stays empty unless
+    logits_all, which would copy every position's logits)."""
+    import numpy as np
+
+    ptr = llm._ctx.get_logits_ith(-1)
+    return int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).argmax())
 
 
 def _check(prompt, n) -> None:
