@@ -3,9 +3,11 @@ JSON-lines worker protocol on its error paths (kt-kernel's worker, fake workers)
 from __future__ import annotations
 
 import json
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +101,11 @@ def _llama_cpp_or_skip():
     print("\nllama-cpp-python missing: installing it (compiles llama.cpp, ≈15 min on 2 cores the first time)",
           file=sys.stderr)
     env = {**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python==0.3.36"],
-                       env=env, capture_output=True, text=True, timeout=40 * 60)
+    # One build at a time on this machine: concurrent test runs wait, then take pip's cached wheel.
+    with open(os.path.join(tempfile.gettempdir(), "moetune-llama-cpp-build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python==0.3.36"],
+                           env=env, capture_output=True, text=True, timeout=40 * 60)
     if r.returncode:
         reason = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
         print(f"llama-cpp-python could not be built here: {reason}", file=sys.stderr)
