@@ -68,5 +68,5 @@ def test_interrupt_resume_profile_report(tmp_path):
 def test_user_mistakes_are_one_line(tmp_path):
     env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path), "PYTHONPATH": str(ROOT)}
     p = moetune("autotune", "--time-budget", "ten minutes", env=env)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=300)  # a generous bound: a loaded 2-core machine takes long to import
     assert p.returncode == 2 and "duration" in err
