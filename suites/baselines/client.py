@@ -20,6 +20,21 @@ class BaselineError(MoetuneError):
     """A baseline could not run (missing package, worker error, crash, timeout)."""
 
 
+class WorkerOwner:
+    """A driver that owns a `self.worker` process: closing (or leaving a `with` block) stops it."""
+
+    worker: "Worker"
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Worker:
     """One worker process; use as a context manager (it is asked to quit, then killed if needed)."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from suites.baselines.client import BaselineError, Worker
+from suites.baselines.client import BaselineError, Worker, WorkerOwner
 
 KT_VERSION = "0.7.2"
 WORKER = Path(__file__).resolve().parent / "kt_worker.py"
@@ -65,7 +65,7 @@ def ensure_kt_venv(progress: bool = True) -> Path:
     return py
 
 
-class KtKernel:
+class KtKernel(WorkerOwner):
     """A kt-kernel worker with one MoE layer loaded."""
 
     engine = "kt-kernel"
@@ -90,14 +90,6 @@ class KtKernel:
     def forward(self, tokens: int, seed: int, repeats: int, warmup: int = 1) -> dict:
         return self.worker.call("forward", tokens=tokens, seed=seed, repeats=repeats, warmup=warmup)
 
-    def close(self) -> None:
-        self.worker.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ------------------------------------------------------------------ our side

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from suites.baselines.client import BaselineError, Worker
+from suites.baselines.client import BaselineError, Worker, WorkerOwner
 
 WORKER = Path(__file__).resolve().parent / "llamacpp_worker.py"
 BUILD_FLAGS = 'CMAKE_ARGS="-DGGML_NATIVE=ON"'  # how the README installs the extra (recorded with results)
@@ -56,7 +56,7 @@ def ensure_gguf(model: str, gtype: str) -> Path:
     return path
 
 
-class LlamaCpp:
+class LlamaCpp(WorkerOwner):
     """A loaded GGUF in a llama-cpp-python worker."""
 
     engine = "llama.cpp"
@@ -84,14 +84,6 @@ class LlamaCpp:
         r = self.worker.call("time", prompt=list(prompt), n_decode=max(decode - 1, 1))
         return {"ttft_s": r["ttft_s"], "decode_s": r["decode_s"], "decoded": r["decoded"]}
 
-    def close(self) -> None:
-        self.worker.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def main(argv=None) -> int:
