@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attn_cases import block_tables, paged, same_bits, slots
 from kernels import get_backend
 from kernels.formats import DenseWeight, Fp8BlockWeight, Int8ChannelWeight, quantize_fp8_block, quantize_int8_channel
 
@@ -217,3 +218,66 @@ def test_mla_decode_over_paged_cache_with_holes(lens, h, bs):
     for b, seq in enumerate(rows):
         scores = (q_lat[b] @ seq[:, :r].T + q_pe[b] @ seq[:, r:].T) * 0.2
         close(got[b], scores.softmax(-1) @ seq[:, :r])
+
+
+# ---------------------------------------------------------------- attention: GQA and the paged forms
+# Paged caches from tests/attn_cases.py: blocks out of order, holes, every unowned slot NaN.
+
+
+def sdpa(q, k, v, scale, mask=None):
+    """torch's SDPA on [T, H, D] tensors, K/V heads shared by groups of query heads (GQA)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("t,s,h,hkv", [(1, 1, 2, 1), (7, 7, 8, 2), (5, 12, 6, 3), (16, 129, 22, 2), (3, 40, 4, 4)])
+def test_extend_attention_gqa_matches_sdpa(t, s, h, hkv):
+    q, k, v = rnd(t, h, 24), rnd(s, hkv, 24), rnd(s, hkv, 20)
+    mask = torch.arange(s).unsqueeze(0) <= torch.arange(t).unsqueeze(1) + (s - t)
+    close(ref.extend_attention(q, k, v, 0.3), sdpa(q, k, v, 0.3, mask))
+
+
+@pytest.mark.parametrize("lens,h,hkv,bs", [([1], 2, 1, 4), ([7, 129, 1], 8, 2, 16), ([300, 5], 6, 3, 1)])
+def test_paged_decode_matches_sdpa_per_sequence(lens, h, hkv, bs):
+    seqs_k, seqs_v = [rnd(n, hkv, 24) for n in lens], [rnd(n, hkv, 20) for n in lens]
+    k_cache, bt = paged(seqs_k, bs, torch.float32, g)
+    v_cache, _ = paged(seqs_v, bs, torch.float32, g, (k_cache.shape[0], bt))
+    q = rnd(len(lens), h, 24)
+    got = ref.paged_decode(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), 0.2)
+    for b, (k, v) in enumerate(zip(seqs_k, seqs_v)):
+        close(got[b:b + 1], sdpa(q[b:b + 1], k, v, 0.2))
+
+
+@pytest.mark.parametrize("t,prefix,bs", [(1, 0, 4), (7, 129, 16), (33, 1, 1), (20, 0, 64)])
+def test_paged_extend_matches_extend_attention_on_dense_keys(t, prefix, bs):
+    q, k, v = rnd(t, 6, 24), rnd(prefix + t, 3, 24), rnd(prefix + t, 3, 20)
+    k_cache, bt = paged([k], bs, torch.float32, g)
+    v_cache, _ = paged([v], bs, torch.float32, g, (k_cache.shape[0], bt))
+    got = ref.paged_extend(q, k_cache, v_cache, bt[0], prefix + t, 0.3)
+    assert torch.equal(got, ref.extend_attention(q, k, v, 0.3))
+
+
+def test_write_cache_then_gather_paged_round_trips():
+    lens, bs = [5, 17], 4
+    nb, bt = block_tables(lens, bs, g)
+    cache = torch.full((nb, bs, 9), float("nan"), dtype=torch.bfloat16)
+    rows = [rnd(n, 9) for n in lens]
+    for table, seq in zip(bt, rows):
+        ref.write_cache(cache, slots(table, range(seq.shape[0]), bs), seq)
+    for table, seq in zip(bt, rows):
+        assert torch.equal(ref.gather_paged(cache, table, seq.shape[0]), seq.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_with_new_rows_equals_writing_first(dtype):
+    lens, bs, r, p = [3, 65], 16, 32, 8
+    cache, bt = paged([rnd(n - 1, r + p) for n in lens], bs, dtype, g, block_tables(lens, bs, g))
+    new_rows = rnd(len(lens), r + p)
+    where = torch.cat([slots(table, [n - 1], bs) for table, n in zip(bt, lens)])
+    q_lat, q_pe, seq_lens = rnd(len(lens), 4, r), rnd(len(lens), 4, p), torch.tensor(lens, dtype=torch.int32)
+    written = cache.clone()
+    ref.write_cache(written, where, new_rows)
+    want = ref.mla_decode(q_lat, q_pe, written, bt, seq_lens, 0.2)
+    got = ref.mla_decode(q_lat, q_pe, cache, bt, seq_lens, 0.2, new_rows, where)
+    assert same_bits(cache, written) and torch.equal(got, want)

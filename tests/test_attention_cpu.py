@@ -1,0 +1,272 @@
+"""The "cpu" backend's attention (kernels/cpu/csrc/attention.cpp) against kernels.reference.
+
+Ops: mla_decode (with and without the step's new rows), paged_decode (GQA 8/2, 6/3, 22/2, MHA 4/4),
+extend_attention, paged_extend, chunked prefill. Shapes in groups: regular (the small preset:
+H=16, R=512, P=64; the naive MLA extend form Dk=192, Dv=128), odd (6 and 22 heads, contexts 1, 7,
+129, 300, head dims 24/20, block sizes 4 and 16) and corner (lengths [1, 129, 7], T=1 extends,
+T=S with no prefix, a one-key prefix, block size 1, the engine's strided K/V views). Every paged
+cache has its blocks out of order with holes between them, and every slot no sequence owns is NaN
+(tests/attn_cases.py), so a stray read poisons the result. Caches float32 and bfloat16, queries
+float32 or bfloat16; every value sampled from each cpu_attn_* knob's catalogue range (extremes
+included) must give the same answer.
+
+Tolerances, ‖got − ref‖ / ‖ref‖:
+- float32 output (float32 queries, float32 or bfloat16 cache): 2e-5. Both sides compute in float32
+  on the same (exactly widened) cache values; only the summation order and the online softmax's
+  rescaling differ, ≈ 1e-6 at these contexts (≤ 2048 keys).
+- bfloat16 output (bf16 queries): 1e-2; both round the float32 result to bf16 (≤ 2^-9 relative).
+- the cache after mla_decode with new rows: bitwise equal to the reference's (index op).
+"""
+import zlib
+from functools import lru_cache
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu_build import missing_isa
+
+if missing_isa():
+    pytest.skip(f"this CPU lacks {missing_isa()}: the cpu backend cannot run here", allow_module_level=True)
+
+import kernels.cpu as cpu  # noqa: E402  (compiles the extension on first use)
+from attn_cases import block_tables, nan_cache, paged, same_bits, slots, store  # noqa: E402
+from engine.knobs import CATALOGUE  # noqa: E402
+from test_kernels_cpu import check, knob_samples  # noqa: E402
+
+TIGHT, BF16 = 2e-5, 1e-2
+F32, BF = torch.float32, torch.bfloat16
+DTYPES = [(F32, F32), (BF, F32), (BF, BF)]  # (cache or K/V, query)
+DTYPE_IDS = ["f32", "bf16cache", "bf16"]
+
+
+def tol(q_dtype: torch.dtype) -> float:
+    return TIGHT if q_dtype == F32 else BF16
+
+
+def gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(g, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * scale
+
+
+# ------------------------------------------------------------------ MLA decode
+
+MLA_CASES = {  # name → (lens, H, R, P, BS)
+    "regular_b1_2048": ([2048], 16, 512, 64, 64),
+    "regular_b4": ([512, 300, 1024, 64], 16, 512, 64, 64),
+    "regular_v3_heads": ([257, 3], 128, 512, 64, 64),
+    "odd_h6": ([1, 7, 129, 300], 6, 512, 64, 16),
+    "odd_h22_r20_p4": ([300, 7, 129], 22, 20, 4, 16),
+    "odd_bs4": ([7, 129], 22, 512, 64, 4),
+    "corner_lens": ([1, 129, 7], 16, 512, 64, 64),
+    "corner_one_key_one_head": ([1], 1, 512, 64, 64),
+    "corner_bs1": ([5, 1, 33], 3, 32, 8, 1),
+}
+
+
+def mla_inputs(case: str, cache_dtype, q_dtype):
+    lens, h, r, p, bs = MLA_CASES[case]
+    g = gen("mla", case)
+    cache, bt = paged([randn(g, n, r + p) for n in lens], bs, cache_dtype, g)
+    q_lat, q_pe = randn(g, len(lens), h, r).to(q_dtype), randn(g, len(lens), h, p).to(q_dtype)
+    return q_lat, q_pe, cache, bt, torch.tensor(lens, dtype=torch.int32), (r + p) ** -0.5
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_decode(case, cache_dtype, q_dtype):
+    args = mla_inputs(case, cache_dtype, q_dtype)
+    check(cpu.mla_decode(*args), reference.mla_decode(*args), tol(q_dtype), f"mla_decode {case}")
+
+
+NEW_ROWS_CASES = {  # name → (lens after the step, new tokens of each sequence)
+    "decode_b3": ([1, 129, 7], [1, 1, 1]),
+    "decode_b1_block_edge": ([65], [1]),
+    "prefill_absorbed": ([70], [7]),  # one sequence's 7 new tokens, one query each (causal)
+}
+
+
+@pytest.mark.parametrize("rows_dtype", [F32, BF], ids=["rows_f32", "rows_bf16"])
+@pytest.mark.parametrize("cache_dtype", [F32, BF], ids=["cache_f32", "cache_bf16"])
+@pytest.mark.parametrize("case", sorted(NEW_ROWS_CASES))
+def test_mla_decode_writes_new_rows(case, cache_dtype, rows_dtype):
+    """The step's rows are stored (bitwise as the reference stores them) and attended to."""
+    lens, new = NEW_ROWS_CASES[case]
+    h, r, p, bs = 16, 512, 64, 64
+    g = gen("mla_rows", case)
+    seqs = [randn(g, n, r + p) for n in lens]
+    nb, bt = block_tables(lens, bs, g)
+    cache = nan_cache(nb, bs, (r + p,), cache_dtype)
+    queries, lens_q, where, rows = [], [], [], []
+    for b, (n, k) in enumerate(zip(lens, new)):
+        store(cache, bt[b], seqs[b][:n - k])
+        where.append(slots(bt[b], range(n - k, n), bs))
+        rows.append(seqs[b][n - k:])
+        queries += [b] * k
+        lens_q += list(range(n - k + 1, n + 1))
+    tables, seq_lens = bt[queries], torch.tensor(lens_q, dtype=torch.int32)
+    q_lat, q_pe = randn(g, len(queries), h, r), randn(g, len(queries), h, p)
+    new_rows, new_slots = torch.cat(rows).to(rows_dtype), torch.cat(where)
+    ref_cache, cpu_cache = cache.clone(), cache.clone()
+    want = reference.mla_decode(q_lat, q_pe, ref_cache, tables, seq_lens, 0.04, new_rows, new_slots)
+    got = cpu.mla_decode(q_lat, q_pe, cpu_cache, tables, seq_lens, 0.04, new_rows, new_slots)
+    assert same_bits(cpu_cache, ref_cache), "the cache after the step differs from the reference's"
+    check(got, want, TIGHT, f"mla_decode with new rows {case}")
+
+
+# ------------------------------------------------------------------ MHA / GQA paged decode
+
+DECODE_CASES = {  # name → (lens, H, Hkv, Dk, Dv, BS)
+    "regular_gqa_8_2": ([300, 1, 129], 8, 2, 128, 128, 16),
+    "regular_mha_4": ([129, 7, 1], 4, 4, 64, 64, 64),
+    "odd_gqa_6_3": ([7, 300], 6, 3, 24, 20, 16),
+    "odd_gqa_22_2": ([300, 129], 22, 2, 24, 20, 4),
+    "corner_lens": ([1, 129, 7], 8, 2, 192, 128, 64),
+    "corner_bs1": ([5, 1], 4, 2, 24, 20, 1),
+}
+
+
+def decode_inputs(case: str, cache_dtype, q_dtype):
+    lens, h, hkv, dk, dv, bs = DECODE_CASES[case]
+    g = gen("decode", case)
+    k_cache, bt = paged([randn(g, n, hkv, dk) for n in lens], bs, cache_dtype, g)
+    v_cache, _ = paged([randn(g, n, hkv, dv) for n in lens], bs, cache_dtype, g, (k_cache.shape[0], bt))
+    q = randn(g, len(lens), h, dk).to(q_dtype)
+    return q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), dk ** -0.5
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_paged_decode(case, cache_dtype, q_dtype):
+    args = decode_inputs(case, cache_dtype, q_dtype)
+    check(cpu.paged_decode(*args), reference.paged_decode(*args), tol(q_dtype), f"paged_decode {case}")
+
+
+# ------------------------------------------------------------------ extend (prefill)
+
+EXTEND_CASES = {  # name → (T new tokens, prefix, H, Hkv, Dk, Dv)
+    "regular_mla_naive": (300, 0, 16, 16, 192, 128),
+    "regular_mla_naive_prefix": (129, 300, 16, 16, 192, 128),
+    "regular_gqa_8_2": (64, 100, 8, 2, 128, 128),
+    "odd_h6": (7, 129, 6, 3, 24, 20),
+    "odd_h22": (129, 7, 22, 22, 24, 20),
+    "corner_t1": (1, 300, 16, 16, 192, 128),
+    "corner_t1_alone": (1, 0, 6, 6, 24, 20),
+    "corner_no_prefix": (37, 0, 4, 2, 24, 20),
+    "corner_prefix_1": (129, 1, 8, 2, 64, 64),
+}
+
+
+def extend_inputs(case: str, kv_dtype, q_dtype):
+    t, prefix, h, hkv, dk, dv = EXTEND_CASES[case]
+    g = gen("extend", case)
+    q = randn(g, t, h, dk).to(q_dtype)
+    k, v = randn(g, prefix + t, hkv, dk).to(kv_dtype), randn(g, prefix + t, hkv, dv).to(kv_dtype)
+    return q, k, v, dk ** -0.5
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", sorted(EXTEND_CASES))
+def test_extend_attention(case, kv_dtype, q_dtype):
+    args = extend_inputs(case, kv_dtype, q_dtype)
+    check(cpu.extend_attention(*args), reference.extend_attention(*args), tol(q_dtype), f"extend {case}")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF], ids=["f32", "bf16"])
+def test_extend_attention_on_the_engines_views(dtype):
+    """The naive MLA path's inputs: K = [k_nope | k_pe broadcast over heads], V a strided view."""
+    t, prefix, h, nope, pe, dv = 65, 70, 16, 128, 64, 128
+    g = gen("views")
+    kv = randn(g, prefix + t, h, nope + dv).to(dtype)
+    k_pe = randn(g, prefix + t, pe).to(dtype)
+    k_nope, v = kv.split([nope, dv], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)], dim=-1)
+    q = randn(g, t, h, nope + pe).to(dtype)
+    assert not v.is_contiguous()
+    check(cpu.extend_attention(q, k, v, 0.07), reference.extend_attention(q, k, v, 0.07), tol(dtype), "views")
+
+
+PAGED_EXTEND_BS = {"regular_mla_naive_prefix": 64, "regular_gqa_8_2": 16, "odd_h6": 4, "corner_t1": 16,
+                   "corner_no_prefix": 16, "corner_prefix_1": 1}
+
+
+def paged_extend_inputs(case: str, cache_dtype, q_dtype):
+    q, k, v, scale = extend_inputs(case, cache_dtype, q_dtype)
+    g = gen("paged_extend", case)
+    k_cache, bt = paged([k], PAGED_EXTEND_BS[case], cache_dtype, g)
+    v_cache, _ = paged([v], PAGED_EXTEND_BS[case], cache_dtype, g, (k_cache.shape[0], bt))
+    return (q, k_cache, v_cache, bt[0], k.shape[0], scale), (q, k, v, scale)
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", sorted(PAGED_EXTEND_BS))
+def test_paged_extend(case, cache_dtype, q_dtype):
+    args, dense = paged_extend_inputs(case, cache_dtype, q_dtype)
+    got = cpu.paged_extend(*args)
+    check(got, reference.paged_extend(*args), tol(q_dtype), f"paged_extend {case}")
+    check(got, reference.extend_attention(*dense), tol(q_dtype), f"paged_extend {case} vs dense")
+
+
+@pytest.mark.parametrize("cache_dtype", [F32, BF], ids=["f32", "bf16"])
+@pytest.mark.parametrize("h,hkv,dk,dv,bs", [(16, 16, 192, 128, 64), (6, 3, 24, 20, 16)])
+def test_chunked_prefill_equals_one_extend(h, hkv, dk, dv, bs, cache_dtype):
+    """300 tokens as chunks of 128 + 100 + 72, each chunk's keys written just before it attends
+    (later positions still NaN) = one paged_extend over all 300 = extend_attention."""
+    g = gen("chunks", h, dk)
+    q, k, v = randn(g, 300, h, dk), randn(g, 300, hkv, dk).to(cache_dtype), randn(g, 300, hkv, dv).to(cache_dtype)
+    nb, bt = block_tables([300], bs, g)
+    k_cache, v_cache = nan_cache(nb, bs, (hkv, dk), cache_dtype), nan_cache(nb, bs, (hkv, dv), cache_dtype)
+    outs, start = [], 0
+    for n in (128, 100, 72):
+        store(k_cache, bt[0], k[start:start + n], start)
+        store(v_cache, bt[0], v[start:start + n], start)
+        outs.append(cpu.paged_extend(q[start:start + n], k_cache, v_cache, bt[0], start + n, dk ** -0.5))
+        start += n
+    chunked = torch.cat(outs)
+    check(chunked, cpu.paged_extend(q, k_cache, v_cache, bt[0], 300, dk ** -0.5), TIGHT, "chunked vs one call")
+    check(chunked, reference.extend_attention(q, k, v, dk ** -0.5), TIGHT, "chunked vs reference")
+
+
+# ------------------------------------------------------------------ knobs: every value, same answer
+
+
+def attn_knob_values(name: str) -> list[int]:
+    """The catalogue samples (low, default, middle, high), plus 3 and 5 where any integer is allowed."""
+    k = CATALOGUE[name]
+    odd = () if k.pow2 else (3, 5)
+    return sorted(set(knob_samples(name)) | {v for v in odd if k.low <= v <= k.high})
+
+
+ATTN_KNOB_CASES = [(n, v) for n in cpu.ATTN_KNOBS for v in attn_knob_values(n)]
+
+
+@lru_cache(maxsize=None)
+def knob_inputs(cache_dtype: torch.dtype) -> list[tuple]:
+    """(op, args, reference answer) for each op, made once per cache dtype."""
+    g = gen("knobs", str(cache_dtype))
+    lens, bs = [1, 129, 300, 7], 16
+    mla_cache, bt = paged([randn(g, n, 576) for n in lens], bs, cache_dtype, g)
+    mla = (randn(g, 4, 22, 512), randn(g, 4, 22, 64), mla_cache, bt, torch.tensor(lens, dtype=torch.int32), 0.04)
+    decode = decode_inputs("odd_gqa_6_3", cache_dtype, F32)
+    extend = extend_inputs("regular_gqa_8_2", cache_dtype, F32)
+    paged_ext, _ = paged_extend_inputs("regular_mla_naive_prefix", cache_dtype, F32)
+    return [("mla_decode", mla, reference.mla_decode(*mla)),
+            ("paged_decode", decode, reference.paged_decode(*decode)),
+            ("extend_attention", extend, reference.extend_attention(*extend)),
+            ("paged_extend", paged_ext, reference.paged_extend(*paged_ext))]
+
+
+@pytest.mark.parametrize("name,value", ATTN_KNOB_CASES, ids=[f"{n}={v}" for n, v in ATTN_KNOB_CASES])
+def test_every_attention_knob_value_gives_the_same_answer(name, value):
+    for cache_dtype in (F32, BF):
+        for op, args, want in knob_inputs(cache_dtype):
+            got = getattr(cpu, op)(*args, knobs={name: value})
+            check(got, want, TIGHT, f"{op} cache {cache_dtype} {name}={value}")
+
+
+def test_attention_knobs_mirror_the_catalogue():
+    for name in cpu.ATTN_KNOBS:
+        assert CATALOGUE[name].default == cpu.KNOB_DEFAULTS[name] and CATALOGUE[name].component == "kernels/cpu"
