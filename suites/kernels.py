@@ -1,8 +1,9 @@
 """Kernel suite: each op × weight format of the "cpu" backend on real layer shapes, side by side
 with torch on the same math, as fractions of the machine's measured limits (tuner.probe).
 
-    moetune bench kernels [--op fused_moe|linear] [--format bf16|int8|fp8|int4] [--tokens N ...]
-                          [--shapes small|v3|all] [--repeats 10] [--experts-v3 32] [--json]
+    moetune bench kernels [--op fused_moe|linear|mla_decode|extend] [--format bf16|int8|fp8|int4]
+                          [--tokens N ...] [--context N ...] [--prefix N ...] [--shapes small|v3|all]
+                          [--repeats 10] [--experts-v3 32] [--json]
 
 Shapes: the `small` preset's (D=2048, I=1408, E=64, top-6; dense gate_up [11264, 2048], LM head
 [32000, 2048]) and DeepSeek-V3's (D=7168, I=2048, top-8, --experts-v3 of its 256 experts;
@@ -10,10 +11,26 @@ o_proj [7168, 16384]). Weights are random values made directly in each format (n
 For fused MoE every repeat routes to other experts (a cycle of 8 routings), so weights come from
 DRAM as in decode, and the bytes counted are those of the experts each call touches.
 
+Attention (default ops: fused_moe and linear only; the format is the cache's, bf16):
+- mla_decode: B = --tokens sequences (default 1, 4, 16) of --context keys each (default 512, 2048,
+  8192) over a paged latent cache (small: H=16, R=512, P=64; v3: H=128), block size 64, blocks in
+  shuffled order. Every call reads another region of a ≥ 256 MB block pool (ours the even ones,
+  torch's the odd ones), so the cache comes from DRAM as in a real model (one cache per layer).
+  torch = kernels.reference.mla_decode on the same cache. bytes = Σ lens · (R+P) · 2;
+  flops = Σ lens · H · (2(R+P) + 2R).
+- extend: T = --tokens new tokens (default 512, 2048, 8192) after --prefix cached keys (default 0,
+  a fresh prompt, and 1024, a chunk after a cached prefix), the naive MLA form (small: H=16, v3:
+  H=128; Dk=192, Dv=128; bf16 q/k/v). torch = F.scaled_dot_product_attention in [1, H, T, D]
+  layout, is_causal without a prefix, a boolean mask with one; V zero-padded to Dk beforehand, as
+  torch's CPU flash kernel needs Dk = Dv (else its math path materializes the T × S scores:
+  ≈ 10 GB at 8K). flops = 2 · H · (Dk + Dv) · the causal (query, key) pairs T · prefix + T(T+1)/2;
+  bytes = q, k, v read and the output written once.
+Rows carry `context`: the keys per sequence (mla_decode) or prefix + T (extend); None otherwise.
+
 Each case: 2 warm-ups, then `repeats` rounds alternating ours and torch's (F.linear per expert on
 weights dequantized to bfloat16 beforehand, bf16 activations); median and p10/p90 of each.
-gbps = weight bytes touched / median; fraction_of_read_bw = gbps / the probe's read bandwidth;
-for T ≥ 64 also GFLOP/s and fraction_of_peak (FP32 FMA peak). Rows go to the Parquet store
+gbps = bytes touched / median; fraction_of_read_bw = gbps / the probe's read bandwidth; GFLOP/s
+and fraction_of_peak_flops against the FP32 FMA peak. Rows go to the Parquet store
 (results.store, suite "kernels").
 """
 from __future__ import annotations
@@ -30,9 +47,16 @@ import torch.nn.functional as F
 from kernels import formats
 
 FORMATS = ("bf16", "int8", "fp8", "int4")
-TOKENS = (1, 2, 4, 8, 16, 64, 512)
+OPS = ("fused_moe", "linear", "mla_decode", "extend")
+DEFAULT_OPS = ("fused_moe", "linear")
+WEIGHT_TOKENS = (1, 2, 4, 8, 16, 64, 512)
+TOKENS = {"fused_moe": WEIGHT_TOKENS, "linear": WEIGHT_TOKENS, "mla_decode": (1, 4, 16), "extend": (512, 2048, 8192)}
+CONTEXTS = (512, 2048, 8192)  # mla_decode: keys per sequence
+PREFIXES = (0, 1024)  # extend: cached keys before the new tokens
 ROUTINGS = 8
 INT4_GROUP = 128
+CACHE_BLOCK = 64
+POOL_BYTES = 256 << 20  # mla_decode: the block pool each call reads another region of
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,14 @@ class LinearShape:
     k: int
 
 
+@dataclass(frozen=True)
+class AttnShape:
+    name: str
+    h: int
+    dk: int  # mla_decode: the cache row R + P; extend: the q/k head dim
+    dv: int  # mla_decode: R (the latent, V); extend: the v head dim
+
+
 def moe_shapes(which: str, experts_v3: int) -> list[MoeShape]:
     shapes = {"small": [MoeShape("small.moe", 2048, 1408, 64, 6)],
               "v3": [MoeShape("v3.moe", 7168, 2048, experts_v3, 8)]}
@@ -61,6 +93,20 @@ def linear_shapes(which: str) -> list[LinearShape]:
     shapes = {"small": [LinearShape("small.ffn_gate_up", 11264, 2048), LinearShape("small.lm_head", 32000, 2048)],
               "v3": [LinearShape("v3.o_proj", 7168, 16384)]}
     return shapes["small"] + shapes["v3"] if which == "all" else shapes[which]
+
+
+def attn_shapes(op: str, which: str) -> list[AttnShape]:
+    """mla_decode: the absorbed form over the latent cache; extend: the naive MLA form."""
+    dk, dv = (576, 512) if op == "mla_decode" else (192, 128)
+    form = "mla" if op == "mla_decode" else "attn_naive"
+    shapes = {"small": [AttnShape(f"small.{form}", 16, dk, dv)], "v3": [AttnShape(f"v3.{form}", 128, dk, dv)]}
+    return shapes["small"] + shapes["v3"] if which == "all" else shapes[which]
+
+
+def shapes_of(op: str, which: str, experts_v3: int) -> list:
+    if op == "fused_moe":
+        return moe_shapes(which, experts_v3)
+    return linear_shapes(which) if op == "linear" else attn_shapes(op, which)
 
 
 # ---------------------------------------------------------------- random weights in each format
@@ -163,16 +209,66 @@ def bench_linear(shape: LinearShape, fmt: str, t: int, repeats: int, g: torch.Ge
                 2 * t * shape.n * shape.k)
 
 
-def _row(op, fmt, t, shape, ours, theirs, nbytes, flops) -> dict:
+def bf16_randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.bfloat16).normal_(generator=g)
+
+
+def bench_mla_decode(shape: AttnShape, b: int, context: int, repeats: int, g: torch.Generator) -> dict:
+    import kernels.cpu as cpu
+    from kernels import reference
+
+    per_seq = -(-context // CACHE_BLOCK)
+    need = b * per_seq
+    n_blocks = max(2 * need, POOL_BYTES // (CACHE_BLOCK * shape.dk * 2))
+    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, shape.dk)
+    order = torch.randperm(n_blocks, generator=g).to(torch.int32)
+    regions = [order[i * need:(i + 1) * need].view(b, per_seq) for i in range(n_blocks // need)]
+    lens = torch.full((b,), context, dtype=torch.int32)
+    q_lat, q_pe = bf16_randn(g, b, shape.h, shape.dv), bf16_randn(g, b, shape.h, shape.dk - shape.dv)
+    scale = 192 ** -0.5
+
+    def call(fn, region: int):
+        return fn(q_lat, q_pe, cache, regions[region % len(regions)], lens, scale)
+
+    ours, theirs = alternate(lambda r: call(cpu.mla_decode, 2 * r), lambda r: call(reference.mla_decode, 2 * r + 1),
+                             repeats)
+    keys = b * context
+    return _row("mla_decode", "bf16", b, f"{shape.name} H={shape.h} R={shape.dv} P={shape.dk - shape.dv} "
+                f"ctx={context} bs={CACHE_BLOCK}", ours, theirs, keys * shape.dk * 2,
+                keys * shape.h * (2 * shape.dk + 2 * shape.dv), context=context)
+
+
+def bench_extend(shape: AttnShape, t: int, prefix: int, repeats: int, g: torch.Generator) -> dict:
+    import kernels.cpu as cpu
+
+    s, h, dk, dv = prefix + t, shape.h, shape.dk, shape.dv
+    q, k, v = bf16_randn(g, t, h, dk), bf16_randn(g, s, h, dk), bf16_randn(g, s, h, dv)
+    qt, kt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k))  # [1, H, T|S, Dk]
+    vt = F.pad(v, (0, dk - dv)).transpose(0, 1).unsqueeze(0).contiguous()  # Dk = Dv: torch's flash kernel
+    mask = None if prefix == 0 else torch.arange(s) <= torch.arange(t).unsqueeze(1) + prefix
+    scale = dk ** -0.5
+
+    def sdpa(r: int) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale)
+        return out[..., :dv]
+
+    ours, theirs = alternate(lambda r: cpu.extend_attention(q, k, v, scale), sdpa, repeats)
+    pairs = t * prefix + t * (t + 1) // 2
+    return _row("extend", "bf16", t, f"{shape.name} H={h} Dk={dk} Dv={dv} prefix={prefix}", ours, theirs,
+                2 * (q.numel() + k.numel() + v.numel() + t * h * dv), 2 * h * (dk + dv) * pairs, context=s)
+
+
+def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = None) -> dict:
     from tuner.probe import probe
 
     limits = probe()
     s = summary(ours)
     gbps = nbytes / s["median_s"] / 1e9
-    row = {"op": op, "format": fmt, "tokens": t, "shape": shape, **s, "gbps": gbps,
+    byte_key = "weight_bytes" if context is None else "bytes"  # attention: cache / activation bytes
+    row = {"op": op, "format": fmt, "tokens": t, "shape": shape, "context": context, **s, "gbps": gbps,
            "fraction_of_read_bw": gbps / limits["read_gbps"], "torch_median_s": statistics.median(theirs),
            "speedup_vs_torch": statistics.median(theirs) / s["median_s"],
-           "gflops": flops / s["median_s"] / 1e9, "weight_bytes": nbytes, "samples": ours, "torch_samples": theirs}
+           "gflops": flops / s["median_s"] / 1e9, byte_key: nbytes, "samples": ours, "torch_samples": theirs}
     row["fraction_of_peak_flops"] = row["gflops"] / limits["fp32_fma_gflops"]
     return row
 
@@ -180,25 +276,37 @@ def _row(op, fmt, t, shape, ours, theirs, nbytes, flops) -> dict:
 # ---------------------------------------------------------------- the run
 
 
-def cases(ops, fmts, tokens, which: str, experts_v3: int):
+def cases(ops, fmts, tokens, which: str, experts_v3: int, contexts=CONTEXTS, prefixes=PREFIXES):
+    """(op, shape, format, tokens, context): context is mla_decode's keys per sequence, extend's
+    prefix, None for the weight ops; the attention ops run on a bf16 cache whatever `fmts` says."""
+    extra = {"mla_decode": contexts, "extend": prefixes}
     for op in ops:
-        shapes = moe_shapes(which, experts_v3) if op == "fused_moe" else linear_shapes(which)
-        for shape in shapes:
-            for fmt in fmts:
-                for t in tokens:
-                    yield op, shape, fmt, t
+        for shape in shapes_of(op, which, experts_v3):
+            for fmt in (fmts if op not in extra else ["bf16"]):
+                for t in tokens or TOKENS[op]:
+                    for ctx in extra.get(op, [None]):
+                        yield op, shape, fmt, t, ctx
 
 
-def run(ops, fmts, tokens, which="small", experts_v3=32, repeats=10, store=True, out=sys.stdout, as_json=False):
+def bench_case(op, shape, fmt, t, ctx, repeats: int, g: torch.Generator) -> dict:
+    if op == "mla_decode":
+        return bench_mla_decode(shape, t, ctx, repeats, g)
+    if op == "extend":
+        return bench_extend(shape, t, ctx, repeats, g)
+    return (bench_moe if op == "fused_moe" else bench_linear)(shape, fmt, t, repeats, g)
+
+
+def run(ops, fmts, tokens=None, which="small", experts_v3=32, repeats=10, store=True, out=sys.stdout,
+        as_json=False, contexts=CONTEXTS, prefixes=PREFIXES):
+    """Every case of `cases` (tokens None: each op's default TOKENS) → its rows, printed and stored."""
     import kernels.cpu as cpu
     from tqdm import tqdm
 
-    todo = list(cases(ops, fmts, tokens, which, experts_v3))
+    todo = list(cases(ops, fmts, tokens, which, experts_v3, contexts, prefixes))
     rows = []
     g = torch.Generator().manual_seed(0)
-    for op, shape, fmt, t in tqdm(todo, desc="kernel suite", leave=False, disable=as_json):
-        bench = bench_moe if op == "fused_moe" else bench_linear
-        row = bench(shape, fmt, t, repeats, g)
+    for case in tqdm(todo, desc="kernel suite", leave=False, disable=as_json):
+        row = bench_case(*case, repeats, g)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("samples")}) if as_json else _line(row),
               file=out, flush=True)
@@ -208,7 +316,7 @@ def run(ops, fmts, tokens, which="small", experts_v3=32, repeats=10, store=True,
 
 
 def _line(r: dict) -> str:
-    return (f"{r['op']:9s} {r['format']:5s} T={r['tokens']:<4d} {r['shape']:42s} {r['median_s'] * 1e3:9.3f} ms "
+    return (f"{r['op']:10s} {r['format']:5s} T={r['tokens']:<4d} {r['shape']:42s} {r['median_s'] * 1e3:9.3f} ms "
             f"[{r['p10_s'] * 1e3:.3f}–{r['p90_s'] * 1e3:.3f}] {r['gbps']:6.2f} GB/s "
             f"{r['fraction_of_read_bw'] * 100:5.1f}% bw {r['gflops']:7.1f} GFLOP/s  torch {r['torch_median_s'] * 1e3:9.3f} ms "
             f"(×{r['speedup_vs_torch']:.2f})")
@@ -218,11 +326,13 @@ def _store(rows: list[dict], knobs: dict) -> None:
     from results.store import append_rows
 
     append_rows([{"model": r["shape"].split(" ")[0].split(".")[0], "format": r["format"],
-                  "workload": {"op": r["op"], "shape": r["shape"], "tokens": r["tokens"]},
+                  "workload": {"op": r["op"], "shape": r["shape"], "tokens": r["tokens"],
+                               **({} if r["context"] is None else {"context": r["context"]})},
                   "knobs": knobs, "metric": "kernel_seconds", "unit": "s", "direction": "minimize",
                   "samples": r["samples"],
                   "extra": {k: r[k] for k in ("gbps", "fraction_of_read_bw", "torch_median_s", "speedup_vs_torch",
-                                              "gflops", "fraction_of_peak_flops", "weight_bytes")}}
+                                              "gflops", "fraction_of_peak_flops", "weight_bytes", "bytes")
+                            if k in r}}
                  for r in rows], suite="kernels")
 
 
@@ -234,9 +344,17 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark suites")
     bs = b.add_subparsers(dest="suite", required=True)
     k = bs.add_parser("kernels", help="the cpu kernels vs torch, as fractions of this machine's limits")
-    k.add_argument("--op", action="append", choices=["fused_moe", "linear"], help="(repeatable; default both)")
-    k.add_argument("--format", action="append", choices=list(FORMATS), help="(repeatable; default all)")
-    k.add_argument("--tokens", action="append", type=int, help=f"(repeatable; default {list(TOKENS)})")
+    k.add_argument("--op", action="append", choices=list(OPS),
+                   help=f"(repeatable; default {' and '.join(DEFAULT_OPS)})")
+    k.add_argument("--format", action="append", choices=list(FORMATS),
+                   help="weight format (repeatable; default all); attention ops: a bf16 cache")
+    k.add_argument("--tokens", action="append", type=int,
+                   help="tokens; mla_decode: sequences; extend: new tokens (repeatable; default per op: "
+                        + ", ".join(f"{op} {list(v)}" for op, v in TOKENS.items()) + ")")
+    k.add_argument("--context", action="append", type=int,
+                   help=f"mla_decode: keys per sequence (repeatable; default {list(CONTEXTS)})")
+    k.add_argument("--prefix", action="append", type=int,
+                   help=f"extend: cached keys before the new tokens (repeatable; default {list(PREFIXES)})")
     k.add_argument("--shapes", default="small", choices=["small", "v3", "all"])
     k.add_argument("--experts-v3", type=int, default=32, help="DeepSeek-V3 experts allocated (of 256)")
     k.add_argument("--repeats", type=int, default=10)
@@ -250,8 +368,10 @@ def run_cli(args) -> int:
     from engine.errors import MoetuneError
     from engine.knobs import resolve_knobs
 
-    if args.repeats < 1 or any(t < 1 for t in args.tokens or []):
-        raise MoetuneError("--repeats and --tokens must be ≥ 1")
+    if args.repeats < 1 or any(t < 1 for t in (args.tokens or []) + (args.context or [])):
+        raise MoetuneError("--repeats, --tokens and --context must be ≥ 1")
+    if any(p < 0 for p in args.prefix or []):
+        raise MoetuneError("--prefix must be ≥ 0")
     overrides = dict(kv.split("=", 1) for kv in args.knob or [])
     knobs = resolve_knobs(overrides)
     if knobs["kernel_backend"] != "cpu" and "kernel_backend" not in overrides:
@@ -260,6 +380,7 @@ def run_cli(args) -> int:
 
     cpu.configure(knobs)
     torch.set_num_threads(knobs["threads"])
-    run(args.op or ["fused_moe", "linear"], args.format or list(FORMATS), args.tokens or list(TOKENS),
-        args.shapes, args.experts_v3, args.repeats, store=not args.no_store, as_json=args.json)
+    run(args.op or list(DEFAULT_OPS), args.format or list(FORMATS), args.tokens, args.shapes, args.experts_v3,
+        args.repeats, store=not args.no_store, as_json=args.json, contexts=args.context or CONTEXTS,
+        prefixes=args.prefix or PREFIXES)
     return 0

@@ -1,0 +1,37 @@
+"""`moetune bench kernels`: its case list, and a one-repeat smoke run of the attention ops on tiny
+settings (the machine's limits stubbed, nothing stored): bytes, flops and context as documented."""
+import io
+import json
+
+import pytest
+
+import suites.kernels as suite
+from kernels.cpu_build import missing_isa
+
+
+def test_default_cases_per_op():
+    weight_ops = list(suite.cases(["linear"], ["int8"], None, "small", 32))
+    assert [c[3] for c in weight_ops] == [t for _ in suite.linear_shapes("small") for t in suite.WEIGHT_TOKENS]
+    assert all(c[4] is None for c in weight_ops)
+    mla = list(suite.cases(["mla_decode"], ["int8"], None, "all", 32))
+    assert {(c[1].h, c[2], c[3], c[4]) for c in mla} == {(h, "bf16", b, ctx) for h in (16, 128) for b in (1, 4, 16)
+                                                        for ctx in suite.CONTEXTS}
+    extend = list(suite.cases(["extend"], ["bf16"], [7], "small", 32, prefixes=[0, 3]))
+    assert [(c[1].dk, c[1].dv, c[3], c[4]) for c in extend] == [(192, 128, 7, 0), (192, 128, 7, 3)]
+
+
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+def test_attention_rows(monkeypatch):
+    import tuner.probe
+
+    monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_gbps": 10.0, "fp32_fma_gflops": 100.0})
+    monkeypatch.setattr(suite, "POOL_BYTES", 1 << 20)
+    out = io.StringIO()
+    rows = suite.run(["mla_decode", "extend"], ["int8"], [2], "small", repeats=1, store=False, out=out,
+                     as_json=True, contexts=[70], prefixes=[5])
+    mla, ext = rows
+    assert (mla["context"], mla["bytes"], mla["format"]) == (70, 2 * 70 * 576 * 2, "bf16")
+    assert mla["gflops"] * 1e9 * mla["median_s"] == pytest.approx(2 * 70 * 16 * (2 * 576 + 2 * 512))
+    assert ext["context"] == 7 and ext["gflops"] * 1e9 * ext["median_s"] == pytest.approx(2 * 16 * 320 * (2 * 5 + 3))
+    assert all(r["speedup_vs_torch"] > 0 and r["fraction_of_peak_flops"] > 0 for r in rows)
+    assert [json.loads(line)["op"] for line in out.getvalue().splitlines()] == ["mla_decode", "extend"]
