@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import write_cache
+
 
 def _by_row(fn, x: torch.Tensor, *rowwise: torch.Tensor) -> torch.Tensor:
     """fn applied to row i of x (and of each tensor in `rowwise`), results concatenated on dim 0."""
@@ -44,6 +46,9 @@ class RowwiseOps:
         return torch.cat([self._ops.extend_attention(q[i:i + 1], k[:s - t + i + 1], v[:s - t + i + 1], scale)
                           for i in range(t)])
 
-    def mla_decode(self, q_lat, q_pe, kv_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    def mla_decode(self, q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows=None,
+                   slots=None) -> torch.Tensor:
+        if new_rows is not None:  # the whole step's rows first, as the fused write does
+            write_cache(kv_cache, slots, new_rows)
         return _by_row(lambda ql, qp, bt, sl: self._ops.mla_decode(ql, qp, kv_cache, bt, sl, scale),
                        q_lat, q_pe, block_tables, seq_lens)

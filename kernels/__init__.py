@@ -11,7 +11,7 @@ from types import ModuleType
 
 OPS = (
     "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "linear", "head_linear",
-    "grouped_topk", "fused_moe", "extend_attention", "mla_decode",
+    "grouped_topk", "fused_moe", "extend_attention", "mla_decode", "paged_decode", "paged_extend",
 )
 
 _BACKENDS: dict[str, str] = {

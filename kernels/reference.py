@@ -147,15 +147,18 @@ def fused_moe(
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of T new tokens over S = prefix + T keys (the last T keys are the new ones).
 
-    q [T, H, Dk], k [S, H, Dk], v [S, H, Dv] → [T, H, Dv] in q.dtype; scores and softmax in float32.
+    q [T, H, Dk], k [S, Hkv, Dk], v [S, Hkv, Dv] → [T, H, Dv] in q.dtype; scores and softmax in float32.
+    H is a multiple of Hkv (MHA: equal; GQA: query head h reads key/value head h // (H / Hkv)).
     Query i (0-based among the new) sees keys 0 .. prefix + i.
     """
     t, s = q.shape[0], k.shape[0]
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    group = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
     keys = torch.arange(s, device=q.device)
     visible = keys.unsqueeze(0) <= (torch.arange(t, device=q.device) + (s - t)).unsqueeze(1)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hts,shd->thd", probs, v.float()).to(q.dtype)
+    return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -165,6 +168,11 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
 
 
+def write_cache(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """kv_cache [NB, BS, C] (in place): the rows [T, C] stored at flat slots [T] (block · BS + offset)."""
+    kv_cache.view(-1, kv_cache.shape[-1])[slots.long()] = rows.to(kv_cache.dtype)
+
+
 def mla_decode(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -172,14 +180,20 @@ def mla_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    new_rows: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-absorbed MLA attention of one query row per entry over the paged latent cache.
 
     q_lat [B, H, R] (q_nope absorbed through W_UK), q_pe [B, H, P] (roped);
     kv_cache [NB, BS, R + P]: per token the normalized latent c (both K and V) then the roped k_pe;
     block_tables [B, MB] int (block ids, in order); seq_lens [B] int (keys visible to each query).
+    new_rows [T, R + P] / slots [T]: when given, these rows are first written into the cache (the
+    step's new tokens), so the call both stores and attends.
     Returns the attention-weighted latent [B, H, R] in q_lat.dtype (W_UV is applied by the caller).
     """
+    if new_rows is not None:
+        write_cache(kv_cache, slots, new_rows)
     r = q_lat.shape[-1]
     out = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
     for b in range(q_lat.shape[0]):
@@ -187,3 +201,40 @@ def mla_decode(
         scores = (q_lat[b].float() @ kv[:, :r].T + q_pe[b].float() @ kv[:, r:].T) * scale  # [H, S]
         out[b] = scores.softmax(dim=-1) @ kv[:, :r]
     return out.to(q_lat.dtype)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """MHA/GQA decode over a paged cache: one query row per entry.
+
+    q [B, H, Dk]; k_cache [NB, BS, Hkv, Dk], v_cache [NB, BS, Hkv, Dv]; block_tables [B, MB];
+    seq_lens [B] → [B, H, Dv] in q.dtype (query head h reads kv head h // (H / Hkv)).
+    """
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        k = gather_paged(k_cache.flatten(2), block_tables[b], n).view(n, *k_cache.shape[2:])
+        v = gather_paged(v_cache.flatten(2), block_tables[b], n).view(n, *v_cache.shape[2:])
+        outs.append(extend_attention(q[b:b + 1], k, v, scale))
+    return torch.cat(outs)
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """extend_attention of one sequence whose S = kv_len keys (prefix + the T new) sit in a paged
+    cache: q [T, H, Dk]; k_cache [NB, BS, Hkv, Dk], v_cache [NB, BS, Hkv, Dv]; block_table [MB]."""
+    k = gather_paged(k_cache.flatten(2), block_table, kv_len).view(kv_len, *k_cache.shape[2:])
+    v = gather_paged(v_cache.flatten(2), block_table, kv_len).view(kv_len, *v_cache.shape[2:])
+    return extend_attention(q, k, v, scale)

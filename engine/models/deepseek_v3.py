@@ -111,15 +111,16 @@ class DeepseekV3:
         latent, k_pe = o.linear(h, self.w[p + "kv_a_proj"]).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = o.rms_norm(latent, self.w[p + "kv_a_norm"], c.rms_norm_eps)
         k_pe = o.rope(k_pe.unsqueeze(1), cos, sin, c.rope_interleave).squeeze(1)
-        cache.write(i, batch.slots, torch.cat([latent, k_pe], dim=-1))
+        new_rows = torch.cat([latent, k_pe], dim=-1)
         absorbed = self.absorb == "always" or (self.absorb == "decode" and batch.is_decode)
-        if absorbed:
-            out = self._attend_absorbed(i, q_nope, q_pe, batch, cache)
+        if absorbed:  # the kernel stores the new rows itself (fused cache write), then attends
+            out = self._attend_absorbed(i, q_nope, q_pe, batch, cache, new_rows)
         else:
+            cache.write(i, batch.slots, new_rows)
             out = self._attend_naive(i, q_nope, q_pe, batch, cache)
         return o.linear(out.reshape(h.shape[0], -1), self.w[p + "o_proj"])
 
-    def _attend_absorbed(self, i, q_nope, q_pe, batch: Batch, cache: LatentKVCache) -> torch.Tensor:
+    def _attend_absorbed(self, i, q_nope, q_pe, batch: Batch, cache: LatentKVCache, new_rows) -> torch.Tensor:
         """Every new token is one decode query; a prompt's token t sees keys 0..pos(t) (causal)."""
         o = self.ops
         q_lat = o.head_linear(q_nope, self.w_uk[i])  # [T, H, R]
@@ -127,7 +128,8 @@ class DeepseekV3:
                 for j in range(n)]
         tables = cache.block_tables(batch.seqs)[[b for b, _ in rows]].to(q_lat.device)
         lens = torch.tensor([n for _, n in rows], dtype=torch.int32, device=q_lat.device)
-        out_lat = o.mla_decode(q_lat, q_pe, cache.layers[i], tables, lens, self.scale)
+        out_lat = o.mla_decode(q_lat, q_pe, cache.layers[i], tables, lens, self.scale, new_rows,
+                               batch.slots.to(q_lat.device))
         return o.head_linear(out_lat, self.w_uv[i])  # [T, H, V]
 
     def _attend_naive(self, i, q_nope, q_pe, batch: Batch, cache: LatentKVCache) -> torch.Tensor:

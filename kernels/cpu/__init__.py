@@ -32,7 +32,14 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_gemm_min_tokens": 32,
     "cpu_gemm_block_n": 256,
     "cpu_fp8_method": "vector",
+    "cpu_attn_head_fold": 16,
+    "cpu_attn_kv_splits": 8,
+    "cpu_attn_decode_kv_block": 64,
+    "cpu_attn_extend_q_block": 32,
+    "cpu_attn_extend_kv_block": 64,
 }
+ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
+              "cpu_attn_extend_kv_block")
 FP8_METHODS = {"vector": 0, "lut": 1}
 _knobs = dict(KNOB_DEFAULTS)
 
@@ -45,11 +52,20 @@ def configure(knobs: dict) -> None:
     _knobs.update({k: v for k, v in knobs.items() if k in KNOB_DEFAULTS})
 
 
-def _knob_vector(overrides: dict | None) -> list[int]:
-    k = {**_knobs, **(overrides or {})}
+def _merged(overrides: dict | None) -> dict:
     unknown = set(overrides or {}) - set(KNOB_DEFAULTS)
     if unknown:
         raise KeyError(f"unknown cpu knobs: {sorted(unknown)}")
+    return {**_knobs, **(overrides or {})}
+
+
+def _attn_knob_vector(overrides: dict | None) -> list[int]:
+    k = _merged(overrides)
+    return [int(k[n]) for n in ATTN_KNOBS]
+
+
+def _knob_vector(overrides: dict | None) -> list[int]:
+    k = _merged(overrides)
     return [int(k["cpu_micro_rows"]), int(k["cpu_micro_tokens"]), int(k["cpu_linear_block_n"]),
             int(k["cpu_moe_block_n"]), int(k["cpu_gemm_min_tokens"]), int(k["cpu_gemm_block_n"]),
             FP8_METHODS[k["cpu_fp8_method"]]]
@@ -160,13 +176,77 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     return _ext.rope(x, cos, sin, interleave)
 
 
+# ---------------------------------------------------------------- attention
+# One C++ core (csrc/attention.cpp) for every form: rows (heads folded, or query rows) × cache blocks,
+# keys read through a block table (a dense K/V is one block), online softmax in float32.
+
+_ATTN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kv4(t: torch.Tensor) -> torch.Tensor:
+    """A K or V source as [blocks, block_size, kv_heads, dim] (a dense [S, Hkv, D] is one block)."""
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+def _attn_usable(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.numel() > 0 and all(t.dtype in _ATTN_DTYPES and t.stride(-1) == 1
+                                                               and t.device.type == "cpu" for t in kv)
+            and kv[0].dtype == kv[1].dtype)
+
+
+def mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows=None, slots=None,
+               knobs: dict | None = None):
+    """As kernels.reference.mla_decode: flash decoding over the paged latent cache (K = the whole row,
+    V = its first R columns, one KV head), heads folded into the rows; the new rows written first."""
+    r = q_lat.shape[-1]
+    if not _attn_usable(q_lat, kv_cache, kv_cache) or q_lat.dim() != 3:
+        return reference.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots)
+    q = torch.cat([q_lat.float(), q_pe.float()], dim=-1)
+    rows = new_rows if new_rows is not None else _EMPTY
+    where = slots.long().contiguous() if slots is not None else _EMPTY.long()
+    out = _ext.attn_decode(q, kv_cache.unsqueeze(2), kv_cache[..., :r].unsqueeze(2),
+                           block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+                           float(scale), kv_cache, rows, where, _attn_knob_vector(knobs))
+    return out.to(q_lat.dtype)
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, knobs: dict | None = None):
+    """As kernels.reference.paged_decode (MHA/GQA): the query heads of one KV head folded into the rows."""
+    if not _attn_usable(q, k_cache, v_cache) or k_cache.dim() != 4:
+        return reference.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = _ext.attn_decode(q.float().contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                           seq_lens.to(torch.int32).contiguous(), float(scale), _EMPTY, _EMPTY, _EMPTY.long(),
+                           _attn_knob_vector(knobs))
+    return out.to(q.dtype)
+
+
+def _extend(q, k4, v4, table, kv_len, scale, knobs):
+    out = _ext.attn_extend(q.float().contiguous(), k4, v4, table.to(torch.int32).contiguous(), int(kv_len),
+                           float(scale), _attn_knob_vector(knobs))
+    return out.to(q.dtype)
+
+
+def extend_attention(q, k, v, scale, knobs: dict | None = None):
+    """As kernels.reference.extend_attention (prefix rectangle + causal part, MHA or GQA)."""
+    if not _attn_usable(q, k, v) or k.dim() != 3 or q.shape[0] > k.shape[0]:
+        return reference.extend_attention(q, k, v, scale)
+    return _extend(q, _kv4(k), _kv4(v), torch.zeros(1, dtype=torch.int32), k.shape[0], scale, knobs)
+
+
+def paged_extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs: dict | None = None):
+    """As kernels.reference.paged_extend: one sequence's new tokens over its paged keys."""
+    if not _attn_usable(q, k_cache, v_cache) or k_cache.dim() != 4 or q.shape[0] > kv_len:
+        return reference.paged_extend(q, k_cache, v_cache, block_table, kv_len, scale)
+    return _extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs)
+
+
 silu_and_mul = reference.silu_and_mul
 head_linear = reference.head_linear
 grouped_topk = reference.grouped_topk
-extend_attention = reference.extend_attention
-mla_decode = reference.mla_decode
+write_cache = reference.write_cache
 
-NATIVE_OPS = ("linear", "fused_moe", "rms_norm", "add_rms_norm", "rope")
+NATIVE_OPS = ("linear", "fused_moe", "rms_norm", "add_rms_norm", "rope", "mla_decode", "paged_decode",
+              "extend_attention", "paged_extend")
 
 
 def extension():

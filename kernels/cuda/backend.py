@@ -47,6 +47,8 @@ add_rms_norm = reference.add_rms_norm
 silu_and_mul = reference.silu_and_mul
 rope = reference.rope
 grouped_topk = reference.grouped_topk
+paged_decode = reference.paged_decode  # MHA/GQA families: torch on the device until Triton kernels exist
+paged_extend = reference.paged_extend
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -87,9 +89,12 @@ def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: to
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float, new_rows: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
     """Reference contract (kernels.reference.mla_decode); queries cast to the cache's dtype."""
     dev, dt = kv_cache.device, kv_cache.dtype
+    if new_rows is not None:
+        reference.write_cache(kv_cache, slots.to(dev), new_rows.to(dev))
     out = _mla.mla_decode(q_lat.to(dt).contiguous(), q_pe.to(dt).contiguous(), kv_cache,
                           block_tables.to(dev, torch.int32).contiguous(), seq_lens.to(dev, torch.int32), scale,
                           tiles=tiles().mla)

@@ -10,6 +10,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 double read_seconds(const at::Tensor& buf);
 double fma_gflops(int64_t iters);
 double int16_madd_gops(int64_t iters);
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                       const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
+                       const at::Tensor& slots, std::vector<int64_t> knobs);
+at::Tensor attn_extend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                       int64_t kv_len, double scale, std::vector<int64_t> knobs);
 }  // namespace moetune
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &moetune::rms_norm);
   m.def("add_rms_norm", &moetune::add_rms_norm);
   m.def("rope", &moetune::rope, "rotary embedding, de-interleaved output, x.dtype");
+  m.def("attn_decode", &moetune::attn_decode,
+        "flash decoding over a paged cache (heads folded, KV splits), optional fused cache write; float32");
+  m.def("attn_extend", &moetune::attn_extend, "causal extend attention over a paged/dense K/V; float32");
   m.def("read_seconds", &moetune::read_seconds, "seconds to stream-read a float32 buffer with every thread");
   m.def("fma_gflops", &moetune::fma_gflops);
   m.def("int16_madd_gops", &moetune::int16_madd_gops);

@@ -1,0 +1,441 @@
+// Attention over a paged cache, one core for every form (SEEDS.md A; kernels/reference.py is the oracle):
+//
+// - decode (MLA absorbed, MHA/GQA): one query row per sequence; the query heads that share a KV head
+//   are folded into the rows of one task (head_fold at a time), and the sequence's keys are cut into
+//   kv_splits pieces computed in parallel (flash decoding), merged at the end by log-sum-exp;
+// - extend (prefill, chunked prefill): query tiles of q_block rows of one head; keys below every
+//   row's causal limit are a plain rectangle, only the diagonal block is masked, blocks above skipped.
+//
+// Per task the keys come in cache blocks of kv_block tokens, read through the block table. A block's
+// keys are converted to float32 and transposed once ([dim][keys], 16×16 in-register transposes) so
+// QK is a register-tiled GEMM (rows × 16 keys, query values broadcast); the same rows (still in L2)
+// then feed the PV product (rows × 16 value columns, probabilities broadcast). For MLA, K and V are
+// the same cache row (V = its first R columns): each block comes from DRAM once. Scores, the online
+// softmax (running max m, sum l, output rescaled by exp(m_old − m_new)) and outputs are float32.
+// The cache may be float32 or bfloat16. Every size is a run-time argument (engine/knobs.py).
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+#include <c10/util/BFloat16.h>
+#include "ops.h"
+
+namespace moetune {
+
+namespace {
+
+constexpr int kGroup = 16;  // rows per register group
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Attention knobs, in the order kernels/cpu/__init__.py ATTN_KNOBS sends them.
+struct AttnKnobs {
+  int64_t head_fold = 16, kv_splits = 8, decode_kv_block = 64, q_block = 32, extend_kv_block = 64;
+};
+
+AttnKnobs attn_knobs(const std::vector<int64_t>& k) {
+  TORCH_CHECK(k.size() == 5, "attention: 5 knob values expected");
+  AttnKnobs a{k[0], k[1], k[2], k[3], k[4]};
+  TORCH_CHECK(a.head_fold >= 1 && a.kv_splits >= 1 && a.decode_kv_block >= 1 && a.q_block >= 1 &&
+                  a.extend_kv_block >= 1,
+              "attention knobs must be ≥ 1");
+  return a;
+}
+
+// e^x for float32 lanes (x ≤ 0 here: scores minus the running max): 2^n · p(r), r = x − n·ln2,
+// degree-6 polynomial; relative error ≈ 2e-7. Below −87 the result is ~1e-38, not 0 (masked lanes
+// are zeroed by the caller).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
+
+// 16 elements [i, i + 16) of a cache row (masked) as float32.
+template <int DT>
+inline __m512 load16(const uint8_t* row, int64_t i, __mmask16 m) {
+  if constexpr (DT == kBF16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(row) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + i);
+  }
+}
+
+// In-register transpose of a 16×16 float32 tile: out[c] = column c of rows r[0..16).
+inline void transpose16(const __m512 r[16], __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 c = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD), d = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(a, b, 0x88);
+    out[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+    out[4 + k] = _mm512_shuffle_f32x4(c, d, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(c, d, 0xDD);
+  }
+}
+
+// Kt[d * ldk + j] = K[j][d] as float32 for d < Dk, j < nbp (keys j ≥ nb are zero).
+template <int DT>
+void transpose_keys(const uint8_t* const* krow, int nb, int64_t Dk, float* Kt, int64_t ldk) {
+  __m512 r[16], o[16];
+  for (int j0 = 0; j0 < ldk; j0 += 16) {
+    for (int64_t d0 = 0; d0 < Dk; d0 += 16) {
+      const __mmask16 m = tail_mask16(Dk - d0);
+      for (int j = 0; j < 16; ++j) r[j] = j0 + j < nb ? load16<DT>(krow[j0 + j], d0, m) : _mm512_setzero_ps();
+      transpose16(r, o);
+      const int64_t dn = std::min<int64_t>(16, Dk - d0);
+      for (int64_t d = 0; d < dn; ++d) _mm512_storeu_ps(Kt + (d0 + d) * ldk + j0, o[d]);
+    }
+  }
+}
+
+// S[g * lds + j] = Σ_d Q[g * ldq + d] · Kt[d * ldk + j] for G rows, j < ldk (a multiple of 16).
+template <int G>
+void qk_tile(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
+  for (int64_t j = 0; j < ldk; j += 32) {
+    if (j + 32 <= ldk && G <= 14) {  // two key vectors per pass: half the broadcasts per FMA
+      __m512 a[G], b[G];
+      for (int g = 0; g < G; ++g) a[g] = b[g] = _mm512_setzero_ps();
+      const float* kt = Kt + j;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * ldk), k1 = _mm512_loadu_ps(kt + d * ldk + 16);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) {
+          const __m512 q = _mm512_set1_ps(Q[g * ldq + d]);
+          a[g] = _mm512_fmadd_ps(q, k0, a[g]);
+          b[g] = _mm512_fmadd_ps(q, k1, b[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(S + g * lds + j, a[g]);
+        _mm512_storeu_ps(S + g * lds + j + 16, b[g]);
+      }
+      continue;
+    }
+    for (int64_t jj = j; jj < std::min<int64_t>(j + 32, ldk); jj += 16) {
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+      const float* kt = Kt + jj;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * ldk);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * ldq + d]), k0, a[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(S + g * lds + jj, a[g]);
+    }
+  }
+}
+
+// A[g][c] = A[g][c] · alpha[g] + Σ_j P[g * ldp + j] · V[j][c] for G rows, c < Dv.
+template <int G, int DT>
+void pv_tile(const float* P, int64_t ldp, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
+             const float* alpha) {
+  for (int64_t c = 0; c < Dv; c += 16) {
+    const __mmask16 m = tail_mask16(Dv - c);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g)
+      acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g]));
+    for (int j = 0; j < nb; ++j) {
+      const __m512 v = load16<DT>(vrow[j], c, m);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(P[g * ldp + j]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(A + g * lda + c, m, acc[g]);
+  }
+}
+
+template <int G>
+struct Tiles {
+  template <int DT>
+  static void qk(int g, const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t Dk, float* S,
+                 int64_t lds) {
+    if (g == G) return qk_tile<G>(Q, ldq, Kt, ldk, Dk, S, lds);
+    if constexpr (G > 1) Tiles<G - 1>::template qk<DT>(g, Q, ldq, Kt, ldk, Dk, S, lds);
+  }
+  template <int DT>
+  static void pv(int g, const float* P, int64_t ldp, const uint8_t* const* vrow, int nb, int64_t Dv, float* A,
+                 int64_t lda, const float* alpha) {
+    if (g == G) return pv_tile<G, DT>(P, ldp, vrow, nb, Dv, A, lda, alpha);
+    if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, P, ldp, vrow, nb, Dv, A, lda, alpha);
+  }
+};
+
+// One K/V source: [blocks, block_size, heads, dim] with element strides, read through a block table.
+struct KVSource {
+  const uint8_t* base = nullptr;
+  int64_t esz = 4, sblock = 0, stok = 0, shead = 0, block_size = 1, dim = 0, heads = 0, nblocks = 0;
+  const uint8_t* row(const int32_t* table, int64_t n, int64_t h) const {
+    return base + ((int64_t)table[n / block_size] * sblock + (n % block_size) * stok + h * shead) * esz;
+  }
+};
+
+KVSource kv_source(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, what, ": [blocks, block_size, heads, dim] with a unit last stride");
+  KVSource s;
+  s.base = static_cast<const uint8_t*>(t.data_ptr());
+  s.esz = t.element_size();
+  s.sblock = t.stride(0), s.stok = t.stride(1), s.shead = t.stride(2);
+  s.block_size = t.size(1), s.heads = t.size(2), s.dim = t.size(3), s.nblocks = t.size(0);
+  return s;
+}
+
+// Per-task working memory: the transposed key block, scores/probabilities, row state.
+struct Scratch {
+  std::vector<float> kt, s, alpha;
+  std::vector<const uint8_t*> krow, vrow;
+  Scratch(int64_t rows, int64_t kv_block, int64_t Dk) {
+    const int64_t ldk = (kv_block + 15) / 16 * 16;
+    kt.resize(Dk * ldk), s.resize(rows * ldk), alpha.resize(rows);
+    krow.resize(ldk), vrow.resize(ldk);
+  }
+};
+
+// The rows' online-softmax state over keys [k0, k1) of one sequence. Q [rows][ldq] (pre-scaled),
+// lim[r]: row r sees keys n < lim[r]; m, l [rows]; A [rows][lda] unnormalized output.
+template <int DT>
+void attend(const float* Q, int64_t ldq, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
+            const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
+            float* l, float* A, int64_t lda) {
+  const int64_t Dk = K.dim, Dv = V.dim;
+  for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
+    const int nb = (int)std::min<int64_t>(kv_block, k1 - n0);
+    const int64_t ldk = (nb + 15) / 16 * 16;
+    for (int j = 0; j < nb; ++j) {
+      sc.krow[j] = K.row(table, n0 + j, kvh);
+      sc.vrow[j] = V.row(table, n0 + j, kvh);
+    }
+    transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
+    float* S = sc.s.data();
+    for (int g0 = 0; g0 < rows; g0 += kGroup)
+      Tiles<kGroup>::qk<DT>(std::min(kGroup, rows - g0), Q + g0 * ldq, ldq, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
+    for (int r = 0; r < rows; ++r) {  // online softmax of this block, probabilities written over the scores
+      float* sr = S + r * ldk;
+      const int vis = (int)std::clamp<int64_t>(lim[r] - n0, 0, nb);
+      if (vis == 0) {
+        sc.alpha[r] = 1.f;
+        std::fill(sr, sr + ldk, 0.f);
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int j = 0; j < vis; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask16(vis - j), sr + j));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      sc.alpha[r] = exp_scalar(m[r] - m_new);
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < ldk; j += 16) {
+        const __mmask16 live = j < vis ? tail_mask16(vis - j) : (__mmask16)0;
+        const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+        _mm512_storeu_ps(sr + j, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[r] = l[r] * sc.alpha[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+    }
+    for (int g0 = 0; g0 < rows; g0 += kGroup)
+      Tiles<kGroup>::pv<DT>(std::min(kGroup, rows - g0), S + g0 * ldk, ldk, sc.vrow.data(), nb, Dv, A + g0 * lda, lda,
+                            sc.alpha.data() + g0);
+  }
+}
+
+// The new tokens' rows written into the cache (rows [T, W] any float dtype → the cache's dtype).
+void write_rows(const at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots) {
+  if (!rows.defined() || rows.numel() == 0) return;
+  const int64_t W = cache.size(-1), T = rows.size(0);
+  TORCH_CHECK(cache.is_contiguous(), "attention: the cache written must be contiguous");
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == W && slots.numel() == T && slots.scalar_type() == at::kLong,
+              "attention: new rows [T, ", W, "] and int64 slots [T] expected");
+  const int64_t capacity = cache.numel() / W;
+  const at::Tensor src = rows.to(cache.scalar_type()).contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t row_bytes = W * cache.element_size();
+  uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr());
+  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "attention: slot ", sl[t], " outside the cache (", capacity, ")");
+    std::memcpy(dst + sl[t] * row_bytes, s + t * row_bytes, row_bytes);
+  }
+}
+
+void check_tables(const int32_t* table, int64_t len, int64_t block_size, int64_t nblocks) {
+  for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < nblocks, "attention: block id ", table[i], " outside [0, ", nblocks, ")");
+}
+
+template <int DT>
+void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const KVSource& V, const int32_t* tables,
+                 int64_t MB, const int32_t* lens, float scale, const AttnKnobs& kn, float* out) {
+  const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim;
+  const int64_t hf = std::min(kn.head_fold, Hg), nhb = (Hg + hf - 1) / hf, S = kn.kv_splits;
+  const int64_t tasks = B * Hkv * nhb * S;
+  std::vector<float> part_acc(B * H * S * Dv), part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
+#pragma omp parallel
+  {
+    Scratch sc(hf, kn.decode_kv_block, Dk);
+    std::vector<float> Q(hf * Dk);
+    std::vector<int64_t> lim(hf);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hkv, b = t / (S * nhb * Hkv);
+      const int64_t len = lens[b], split = std::max<int64_t>(1, (len + S - 1) / S);
+      const int64_t k0 = std::min(len, s * split), k1 = std::min(len, k0 + split);
+      const int64_t h0 = kvh * Hg + hb * hf;
+      const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
+      const int64_t base = (b * H + h0) * S + s;  // partial index of (b, h0, s); heads step by S
+      if (k1 <= k0) continue;
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + (b * H + h0 + r) * Dk;
+        for (int64_t d = 0; d < Dk; ++d) Q[r * Dk + d] = qr[d] * scale;
+        lim[r] = len;
+      }
+      std::vector<float> m(rows, kNegInf), l(rows, 0.f);
+      float* A = part_acc.data() + base * Dv;
+      for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
+      attend<DT>(Q.data(), Dk, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kn.decode_kv_block, sc, m.data(),
+                 l.data(), A, S * Dv);
+      for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
+    }
+  }
+  // Merge the splits: out = Σ_s e^{m_s − M} A_s / Σ_s e^{m_s − M} l_s.
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    float M = kNegInf;
+    for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[bh * S + s]);
+    float* o = out + bh * Dv;
+    std::fill(o, o + Dv, 0.f);
+    if (M == kNegInf) continue;  // no keys at all
+    float denom = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float w = exp_scalar(part_m[bh * S + s] - M);
+      if (w == 0.f) continue;
+      denom += w * part_l[bh * S + s];
+      const float* a = part_acc.data() + (bh * S + s) * Dv;
+      for (int64_t c = 0; c < Dv; ++c) o[c] += w * a[c];
+    }
+    const float inv = 1.f / denom;
+    for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+  }
+}
+
+template <int DT>
+void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const KVSource& V, const int32_t* table,
+                 int64_t kv_len, float scale, const AttnKnobs& kn, float* out) {
+  const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim, prefix = kv_len - T;
+  const int64_t qb = kn.q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
+#pragma omp parallel
+  {
+    Scratch sc(qb, kn.extend_kv_block, Dk);
+    std::vector<float> Q(qb * Dk), A(qb * Dv), m(qb), l(qb);
+    std::vector<int64_t> lim(qb);
+    // The most expensive tiles (the last query rows see the most keys) are handed out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t tile = ntile - 1 - t / H, h = t % H, i0 = tile * qb;
+      const int rows = (int)std::min(qb, T - i0);
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + ((i0 + r) * H + h) * Dk;
+        for (int64_t d = 0; d < Dk; ++d) Q[r * Dk + d] = qr[d] * scale;
+        lim[r] = prefix + i0 + r + 1;
+        m[r] = kNegInf, l[r] = 0.f;
+      }
+      std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
+      attend<DT>(Q.data(), Dk, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block, sc,
+                 m.data(), l.data(), A.data(), Dv);
+      for (int r = 0; r < rows; ++r) {
+        float* o = out + ((i0 + r) * H + h) * Dv;
+        const float inv = 1.f / l[r];
+        for (int64_t c = 0; c < Dv; ++c) o[c] = A[r * Dv + c] * inv;
+      }
+    }
+  }
+}
+
+void check_kv(const at::Tensor& k, const at::Tensor& v, const KVSource& K, const KVSource& V, int64_t H) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "attention: K and V must both be float32 or bfloat16");
+  TORCH_CHECK(K.heads == V.heads && K.block_size == V.block_size && K.heads >= 1 && H % K.heads == 0,
+              "attention: query heads must be a multiple of the KV heads");
+}
+
+}  // namespace
+
+// Decode: q [B, H, Dk] float32; k [NB, BS, Hkv, Dk], v [NB, BS, Hkv, Dv] (views, may share storage);
+// tables [B, MB] int32; lens [B] int32. Optionally first writes rows [T, W] into `cache` at slots [T]
+// (the step's new tokens; cache is the contiguous tensor k/v view). Returns [B, H, Dv] float32.
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                       const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
+                       const at::Tensor& slots, std::vector<int64_t> knobs) {
+  const AttnKnobs kn = attn_knobs(knobs);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_decode: q [B, H, Dk] float32");
+  if (cache.defined() && cache.numel() > 0) write_rows(cache, rows, slots);
+  const KVSource K = kv_source(k, "attn_decode k"), V = kv_source(v, "attn_decode v");
+  const int64_t B = q.size(0), H = q.size(1);
+  check_kv(k, v, K, V, H);
+  TORCH_CHECK(q.size(2) == K.dim, "attn_decode: q has ", q.size(2), " dims, keys ", K.dim);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kInt && lens.numel() == B &&
+                  lens.scalar_type() == at::kInt,
+              "attn_decode: block_tables [B, MB] and seq_lens [B] int32");
+  const int32_t *tb = tables.data_ptr<int32_t>(), *ln = lens.data_ptr<int32_t>();
+  const int64_t MB = tables.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 0 && ln[b] <= MB * K.block_size, "attn_decode: seq_len ", ln[b], " exceeds its block table");
+    check_tables(tb + b * MB, ln[b], K.block_size, K.nblocks);
+  }
+  at::Tensor out = at::empty({B, H, V.dim}, at::kFloat);
+  if (k.scalar_type() == at::kBFloat16)
+    decode_impl<kBF16>(q.data_ptr<float>(), B, H, K, V, tb, MB, ln, (float)scale, kn, out.data_ptr<float>());
+  else
+    decode_impl<kF32>(q.data_ptr<float>(), B, H, K, V, tb, MB, ln, (float)scale, kn, out.data_ptr<float>());
+  return out;
+}
+
+// Extend: q [T, H, Dk] float32 (the last T of kv_len keys); k/v as attn_decode; table [MB] int32.
+// Query i sees keys 0 .. kv_len − T + i. Returns [T, H, Dv] float32.
+at::Tensor attn_extend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                       int64_t kv_len, double scale, std::vector<int64_t> knobs) {
+  const AttnKnobs kn = attn_knobs(knobs);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_extend: q [T, H, Dk] float32");
+  const KVSource K = kv_source(k, "attn_extend k"), V = kv_source(v, "attn_extend v");
+  const int64_t T = q.size(0), H = q.size(1);
+  check_kv(k, v, K, V, H);
+  TORCH_CHECK(q.size(2) == K.dim, "attn_extend: q has ", q.size(2), " dims, keys ", K.dim);
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous(), "attn_extend: block table int32");
+  TORCH_CHECK(kv_len >= T && kv_len <= table.numel() * K.block_size, "attn_extend: kv_len ", kv_len,
+              " must be ≥ the new tokens (", T, ") and fit the block table");
+  check_tables(table.data_ptr<int32_t>(), kv_len, K.block_size, K.nblocks);
+  at::Tensor out = at::empty({T, H, V.dim}, at::kFloat);
+  if (T == 0) return out;
+  if (k.scalar_type() == at::kBFloat16)
+    extend_impl<kBF16>(q.data_ptr<float>(), T, H, K, V, table.data_ptr<int32_t>(), kv_len, (float)scale, kn,
+                       out.data_ptr<float>());
+  else
+    extend_impl<kF32>(q.data_ptr<float>(), T, H, K, V, table.data_ptr<int32_t>(), kv_len, (float)scale, kn,
+                      out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace moetune
