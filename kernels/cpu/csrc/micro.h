@@ -28,12 +28,36 @@ MicroFn get_micro_int8(int rows, int tokens);
 MicroFn get_micro_fp8(int rows, int tokens);
 MicroFn get_micro_int4(int rows, int tokens);
 
+// Bytes of one weight row holding k elements, per format.
+template <int F>
+constexpr int64_t row_offset(int64_t k) {
+  return F == kF32 ? k * 4 : F == kBF16 ? k * 2 : F == kInt4 ? k / 2 : k;
+}
+
+// Software prefetch of the next register tile's rows (the R rows after this tile's, contiguous in a
+// row-major weight) at the position this tile is reading: short rows (INT8/FP8/INT4 at K ≈ 2K) start a
+// new hardware-prefetch stream every row tile and would otherwise wait for DRAM at each start.
+template <int F>
+inline void prefetch_next_tile(const uint8_t* row, int64_t tile_bytes, int64_t k) {
+  const char* p = reinterpret_cast<const char*>(row + tile_bytes + row_offset<F>(k));
+  _mm_prefetch(p, _MM_HINT_T0);
+  if constexpr (F == kF32) _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
 template <int F, int R, int MT>
 void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
   const uint8_t* row[R];
+  const float* srow[R];  // this row's scales (FP8: its block row's), hoisted out of the K loop
+  const float* zrow[R];
   const float* x[MT];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) row[r] = W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes;
+  for (int r = 0; r < R; ++r) {
+    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+    row[r] = W.w + rr * W.row_bytes;
+    if constexpr (F == kFp8) srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
+    if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero + rr * W.scale_ld;
+  }
+  const int64_t tile_bytes = R * W.row_bytes;
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) x[m] = A.xf + tok[m] * A.ld;
   __m512 acc[R][MT];
@@ -55,6 +79,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512 a, b;
+        prefetch_next_tile<F>(row[r], tile_bytes, k);
         Loader<F>::load(W, row[r], k, ke - k, a, b);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; ++m) part[r][m] = _mm512_fmadd_ps(b, xb[m], _mm512_fmadd_ps(a, xa[m], part[r][m]));
@@ -62,12 +87,11 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
       if constexpr (F == kFp8) {
-        const __m512 s = _mm512_set1_ps(W.scale[(rr / W.block_n) * W.scale_ld + g]);
+        const __m512 s = _mm512_set1_ps(srow[r][g]);
         for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
       } else if constexpr (F == kInt4) {
-        const float s = W.scale[rr * W.scale_ld + g], z = W.zero[rr * W.scale_ld + g];
+        const float s = srow[r][g], z = zrow[r][g];
         for (int m = 0; m < MT; ++m) {
           acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
           corr[r][m] += s * z * A.gsum[tok[m] * A.gld + g];
@@ -100,6 +124,7 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
     const bool full = k + 32 <= K;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
+      prefetch_next_tile<kInt8>(reinterpret_cast<const uint8_t*>(row[r]), R * W.row_bytes, k);
       __m256i b = full ? _mm256_loadu_si256((const __m256i*)(row[r] + k))
                        : _mm256_maskz_loadu_epi8(tail_mask32(K - k), row[r] + k);
       __m512i w = _mm512_cvtepi8_epi16(b);
