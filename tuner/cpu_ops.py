@@ -1,10 +1,13 @@
-"""Kernel-tier adapters for the "cpu" backend (kernels/cpu): linear and fused MoE with tile knobs.
+"""Kernel-tier adapters for the "cpu" backend (kernels/cpu): linear and fused MoE with their tile
+knobs, MLA decode and extend attention with the cpu_attn_* knobs.
 
 Registered by `register_cpu_ops()` (called from tuner.kernel_tier.kernel_ops) only when the
 backend imports on this machine and its knobs (kernels.cpu.KNOB_DEFAULTS) are in the catalogue.
 Shapes are the `small` preset's (D = 2048, I = 1408, top-6) with 8 experts, so one configuration
 is checked and timed in seconds; the verify step compares with kernels.reference on the same
-quantized weights.
+quantized weights. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
+cache R = 512, P = 64 in shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128,
+no prefix), bf16 queries.
 """
 from __future__ import annotations
 
@@ -16,6 +19,11 @@ from tuner.kernel_tier import KernelOp, register_kernel_op
 D, I, E, TOPK, N_LINEAR = 2048, 1408, 8, 6, 2048
 FORMATS = ("bf16", "int8", "fp8", "int4")
 BUCKETS = ({"tokens": 1}, {"tokens": 16}, {"tokens": 128})
+HEADS, R, P, BLOCK, DK, DV = 16, 512, 64, 64, 192, 128
+MLA_BUCKETS = ({"batch": 1, "context": 2048}, {"batch": 16, "context": 2048})
+EXTEND_BUCKETS = ({"tokens": 512}, {"tokens": 2048})
+DECODE_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block")
+EXTEND_KNOBS = ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block")
 
 
 def quantized(w: torch.Tensor, fmt: str):
@@ -60,8 +68,37 @@ def _moe_work(bucket: dict, fmt: str) -> dict:
     return {"bytes": touched * 3 * I * D * bits // 8, "flops": 2 * bucket["tokens"] * TOPK * 3 * I * D}
 
 
+def _mla_inputs(bucket: dict, fmt: str) -> tuple:
+    b, context = bucket["batch"], bucket["context"]
+    g = torch.Generator().manual_seed(b * context)
+    per_seq = -(-context // BLOCK)
+    cache = torch.randn(b * per_seq, BLOCK, R + P, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(b * per_seq, generator=g).to(torch.int32).view(b, per_seq)
+    lens = torch.full((b,), context, dtype=torch.int32)
+    q_lat, q_pe = (torch.randn(b, HEADS, n, generator=g).to(torch.bfloat16) for n in (R, P))
+    return q_lat, q_pe, cache, tables, lens, DK ** -0.5
+
+
+def _mla_work(bucket: dict, fmt: str) -> dict:
+    keys = bucket["batch"] * bucket["context"]
+    return {"bytes": keys * (R + P) * 2, "flops": keys * HEADS * (2 * (R + P) + 2 * R)}
+
+
+def _extend_inputs(bucket: dict, fmt: str) -> tuple:
+    t = bucket["tokens"]
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(t, HEADS, d, generator=g).to(torch.bfloat16) for d in (DK, DK, DV))
+    return q, k, v, DK ** -0.5
+
+
+def _extend_work(bucket: dict, fmt: str) -> dict:
+    t = bucket["tokens"]
+    return {"bytes": 2 * t * HEADS * (2 * DK + 2 * DV), "flops": HEADS * (DK + DV) * t * (t + 1)}
+
+
 def register_cpu_ops() -> bool:
-    """Register linear and fused_moe when the cpu backend runs here; False (and nothing) otherwise."""
+    """Register linear, fused_moe, cpu_mla_decode and cpu_extend_attention when the cpu backend runs
+    here; False (and nothing) otherwise."""
     try:
         import kernels.cpu as cpu
         from kernels import reference
@@ -70,8 +107,9 @@ def register_cpu_ops() -> bool:
     names = tuple(n for n in getattr(cpu, "KNOB_DEFAULTS", {}) if n in CATALOGUE)
     if not names:
         return False
-    linear_knobs = tuple(n for n in names if n != "cpu_moe_block_n")  # each op: the tiles it reads
-    moe_knobs = tuple(n for n in names if n != "cpu_linear_block_n")
+    weight_knobs = tuple(n for n in names if not n.startswith("cpu_attn_"))
+    linear_knobs = tuple(n for n in weight_knobs if n != "cpu_moe_block_n")  # each op: the tiles it reads
+    moe_knobs = tuple(n for n in weight_knobs if n != "cpu_linear_block_n")
     register_kernel_op(KernelOp(
         "linear", linear_knobs, FORMATS, BUCKETS, _linear_inputs,
         run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
@@ -81,4 +119,13 @@ def register_cpu_ops() -> bool:
         run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
         reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2, rtol=3e-2,
         work=_moe_work))
+    if set(DECODE_KNOBS + EXTEND_KNOBS) <= set(names):
+        register_kernel_op(KernelOp(
+            "cpu_mla_decode", DECODE_KNOBS, ("bf16",), MLA_BUCKETS, _mla_inputs,
+            run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
+            atol=1e-2, rtol=1e-2, work=_mla_work))
+        register_kernel_op(KernelOp(
+            "cpu_extend_attention", EXTEND_KNOBS, ("bf16",), EXTEND_BUCKETS, _extend_inputs,
+            run=lambda a, **k: cpu.extend_attention(*a, knobs=k), reference=lambda a: reference.extend_attention(*a),
+            atol=1e-2, rtol=1e-2, work=_extend_work))
     return True
