@@ -266,3 +266,17 @@ def test_engine_logits_with_cpu_backend_match_transformers(oracle, dtype):
         per_pos = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert (per_pos < 2e-2).float().mean() >= 0.9, per_pos
         assert rel_err(got, ref) < 5e-2
+
+
+@pytest.mark.parametrize("absorb", ["decode", "always"])
+def test_engine_greedy_with_cpu_attention_matches_transformers(oracle, absorb):
+    """Greedy decoding through the C++ attention (extend for the prompt, flash decoding with the fused
+    cache write for each new token; "always": every prompt token as a decode row) == transformers."""
+    from engine import LLM, SamplingParams
+    from hf_oracle import build_hf_model, hf_greedy
+
+    path, prompt, _ = oracle
+    llm = LLM(str(path), dtype="float32", knobs={"kernel_backend": "cpu", "mla_absorb": absorb}, progress=False)
+    assert llm.model.ops is cpu and "mla_decode" in cpu.NATIVE_OPS
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(build_hf_model("v3_odd"), prompt, 12)
