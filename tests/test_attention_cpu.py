@@ -13,8 +13,8 @@ included) must give the same answer.
 Tolerances, ‖got − ref‖ / ‖ref‖:
 - float32 output (float32 queries, float32 or bfloat16 cache): 2e-5. Both sides compute in float32
   on the same (exactly widened) cache values; only the summation order and the online softmax's
-  rescaling differ: measured ≤ 8.4e-7 over every case here (≤ 2048 keys), so 2e-5 leaves room
-  for longer contexts while any real mistake (a lost key, a wrong head) is orders above it.
+  rescaling differ: measured ≤ 8.4e-7 over every case here (up to 8192 keys), so 2e-5 leaves
+  room for longer contexts while any real mistake (a lost key, a wrong head) is orders above it.
 - bfloat16 output (bf16 queries): 1e-2; both round the same float32 result to bf16, so they
   differ only where the two float32 values straddle a rounding boundary (measured ≤ 6e-5).
 - the cache after mla_decode with new rows: bitwise equal to the reference's (index op).
@@ -58,6 +58,7 @@ def randn(g, *shape, scale: float = 1.0) -> torch.Tensor:
 
 MLA_CASES = {  # name → (lens, H, R, P, BS)
     "regular_b1_2048": ([2048], 16, 512, 64, 64),
+    "regular_b2_8192": ([8192, 5000], 16, 512, 64, 64),
     "regular_b4": ([512, 300, 1024, 64], 16, 512, 64, 64),
     "regular_v3_heads": ([257, 3], 128, 512, 64, 64),
     "odd_h6": ([1, 7, 129, 300], 6, 512, 64, 16),
@@ -267,6 +268,13 @@ def test_every_attention_knob_value_gives_the_same_answer(name, value):
         for op, args, want in knob_inputs(cache_dtype):
             got = getattr(cpu, op)(*args, knobs={name: value})
             check(got, want, TIGHT, f"{op} cache {cache_dtype} {name}={value}")
+
+
+@pytest.mark.parametrize("extreme", ["low", "high"])
+def test_every_attention_knob_at_its_extreme_together(extreme):
+    knobs = {n: getattr(CATALOGUE[n], extreme) for n in cpu.ATTN_KNOBS}
+    for op, args, want in knob_inputs(BF):
+        check(getattr(cpu, op)(*args, knobs=knobs), want, TIGHT, f"{op} {knobs}")
 
 
 def test_attention_knobs_mirror_the_catalogue():
