@@ -163,7 +163,8 @@ def knob_samples(name: str) -> list:
     return sorted({k.low, k.default, k.high, min(max(mid, k.low), k.high)})
 
 
-KNOB_CASES = [(name, v) for name in cpu.KNOB_DEFAULTS for v in knob_samples(name)]
+# The weight ops' knobs (the attention knobs are swept by tests/test_attention_cpu.py).
+KNOB_CASES = [(name, v) for name in cpu.KNOB_DEFAULTS if name not in cpu.ATTN_KNOBS for v in knob_samples(name)]
 
 
 @lru_cache(maxsize=None)

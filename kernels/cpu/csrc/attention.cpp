@@ -114,9 +114,10 @@ void transpose_keys(const uint8_t* const* krow, int nb, int64_t Dk, float* Kt, i
   }
 }
 
-// S[g * lds + j] = Σ_d Q[g * ldq + d] · Kt[d * ldk + j] for G rows, j < ldk (a multiple of 16).
+// S[g * lds + j] = Σ_d Qt[d * 16 + g] · Kt[d * ldk + j] for G rows, j < ldk (a multiple of 16). The
+// query block is stored transposed ([dim][16 rows]) so every broadcast comes off one pointer.
 template <int G>
-void qk_tile(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
+void qk_tile(const float* Qt, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
   for (int64_t j = 0; j < ldk; j += 32) {
     if (j + 32 <= ldk && G <= 14) {  // two key vectors per pass: half the broadcasts per FMA
       __m512 a[G], b[G];
@@ -124,11 +125,12 @@ void qk_tile(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t 
       const float* kt = Kt + j;
       for (int64_t d = 0; d < Dk; ++d) {
         const __m512 k0 = _mm512_loadu_ps(kt + d * ldk), k1 = _mm512_loadu_ps(kt + d * ldk + 16);
+        const float* q = Qt + d * kGroup;
 #pragma GCC unroll 16
         for (int g = 0; g < G; ++g) {
-          const __m512 q = _mm512_set1_ps(Q[g * ldq + d]);
-          a[g] = _mm512_fmadd_ps(q, k0, a[g]);
-          b[g] = _mm512_fmadd_ps(q, k1, b[g]);
+          const __m512 qg = _mm512_set1_ps(q[g]);
+          a[g] = _mm512_fmadd_ps(qg, k0, a[g]);
+          b[g] = _mm512_fmadd_ps(qg, k1, b[g]);
         }
       }
       for (int g = 0; g < G; ++g) {
@@ -143,17 +145,19 @@ void qk_tile(const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t 
       const float* kt = Kt + jj;
       for (int64_t d = 0; d < Dk; ++d) {
         const __m512 k0 = _mm512_loadu_ps(kt + d * ldk);
+        const float* q = Qt + d * kGroup;
 #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * ldq + d]), k0, a[g]);
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g]), k0, a[g]);
       }
       for (int g = 0; g < G; ++g) _mm512_storeu_ps(S + g * lds + jj, a[g]);
     }
   }
 }
 
-// A[g][c] = A[g][c] · alpha[g] + Σ_j P[g * ldp + j] · V[j][c] for G rows, c < Dv.
+// A[g][c] = A[g][c] · alpha[g] + Σ_j Pt[j * 16 + g] · V[j][c] for G rows, c < Dv (probabilities
+// transposed, [keys][16 rows], for the same reason as the queries).
 template <int G, int DT>
-void pv_tile(const float* P, int64_t ldp, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
+void pv_tile(const float* Pt, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
              const float* alpha) {
   for (int64_t c = 0; c < Dv; c += 16) {
     const __mmask16 m = tail_mask16(Dv - c);
@@ -162,26 +166,35 @@ void pv_tile(const float* P, int64_t ldp, const uint8_t* const* vrow, int nb, in
       acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g]));
     for (int j = 0; j < nb; ++j) {
       const __m512 v = load16<DT>(vrow[j], c, m);
+      const float* p = Pt + j * kGroup;
 #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(P[g * ldp + j]), v, acc[g]);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(A + g * lda + c, m, acc[g]);
   }
 }
 
+// Pt[j * 16 + g] = S[g * lds + j] for g < G (rows past G read as zero), j < ldk.
+inline void transpose_probs(const float* S, int64_t lds, int G, int64_t ldk, float* Pt) {
+  __m512 r[16], o[16];
+  for (int64_t j0 = 0; j0 < ldk; j0 += 16) {
+    for (int g = 0; g < 16; ++g) r[g] = g < G ? _mm512_loadu_ps(S + g * lds + j0) : _mm512_setzero_ps();
+    transpose16(r, o);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(Pt + (j0 + i) * kGroup, o[i]);
+  }
+}
+
 template <int G>
 struct Tiles {
-  template <int DT>
-  static void qk(int g, const float* Q, int64_t ldq, const float* Kt, int64_t ldk, int64_t Dk, float* S,
-                 int64_t lds) {
-    if (g == G) return qk_tile<G>(Q, ldq, Kt, ldk, Dk, S, lds);
-    if constexpr (G > 1) Tiles<G - 1>::template qk<DT>(g, Q, ldq, Kt, ldk, Dk, S, lds);
+  static void qk(int g, const float* Qt, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
+    if (g == G) return qk_tile<G>(Qt, Kt, ldk, Dk, S, lds);
+    if constexpr (G > 1) Tiles<G - 1>::qk(g, Qt, Kt, ldk, Dk, S, lds);
   }
   template <int DT>
-  static void pv(int g, const float* P, int64_t ldp, const uint8_t* const* vrow, int nb, int64_t Dv, float* A,
-                 int64_t lda, const float* alpha) {
-    if (g == G) return pv_tile<G, DT>(P, ldp, vrow, nb, Dv, A, lda, alpha);
-    if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, P, ldp, vrow, nb, Dv, A, lda, alpha);
+  static void pv(int g, const float* Pt, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
+                 const float* alpha) {
+    if (g == G) return pv_tile<G, DT>(Pt, vrow, nb, Dv, A, lda, alpha);
+    if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, Pt, vrow, nb, Dv, A, lda, alpha);
   }
 };
 
@@ -206,19 +219,20 @@ KVSource kv_source(const at::Tensor& t, const char* what) {
 
 // Per-task working memory: the transposed key block, scores/probabilities, row state.
 struct Scratch {
-  std::vector<float> kt, s, alpha;
+  std::vector<float> kt, s, pt, alpha;
   std::vector<const uint8_t*> krow, vrow;
   Scratch(int64_t rows, int64_t kv_block, int64_t Dk) {
     const int64_t ldk = (kv_block + 15) / 16 * 16;
-    kt.resize(Dk * ldk), s.resize(rows * ldk), alpha.resize(rows);
+    kt.resize(Dk * ldk), s.resize(rows * ldk), pt.resize(ldk * kGroup), alpha.resize(rows);
     krow.resize(ldk), vrow.resize(ldk);
   }
 };
 
-// The rows' online-softmax state over keys [k0, k1) of one sequence. Q [rows][ldq] (pre-scaled),
-// lim[r]: row r sees keys n < lim[r]; m, l [rows]; A [rows][lda] unnormalized output.
+// The rows' online-softmax state over keys [k0, k1) of one sequence. Qt: the pre-scaled queries in
+// register groups, [rows / 16][Dk][16] (see pack_queries); lim[r]: row r sees keys n < lim[r];
+// m, l [rows]; A [rows][lda] unnormalized output.
 template <int DT>
-void attend(const float* Q, int64_t ldq, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
+void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
             const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
             float* l, float* A, int64_t lda) {
   const int64_t Dk = K.dim, Dv = V.dim;
@@ -232,7 +246,7 @@ void attend(const float* Q, int64_t ldq, int rows, const int64_t* lim, const KVS
     transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
     float* S = sc.s.data();
     for (int g0 = 0; g0 < rows; g0 += kGroup)
-      Tiles<kGroup>::qk<DT>(std::min(kGroup, rows - g0), Q + g0 * ldq, ldq, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
+      Tiles<kGroup>::qk(std::min(kGroup, rows - g0), Qt + g0 * Dk, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
     for (int r = 0; r < rows; ++r) {  // online softmax of this block, probabilities written over the scores
       float* sr = S + r * ldk;
       const int vis = (int)std::clamp<int64_t>(lim[r] - n0, 0, nb);
@@ -256,9 +270,21 @@ void attend(const float* Q, int64_t ldq, int rows, const int64_t* lim, const KVS
       l[r] = l[r] * sc.alpha[r] + _mm512_reduce_add_ps(sum);
       m[r] = m_new;
     }
-    for (int g0 = 0; g0 < rows; g0 += kGroup)
-      Tiles<kGroup>::pv<DT>(std::min(kGroup, rows - g0), S + g0 * ldk, ldk, sc.vrow.data(), nb, Dv, A + g0 * lda, lda,
-                            sc.alpha.data() + g0);
+    for (int g0 = 0; g0 < rows; g0 += kGroup) {
+      const int G = std::min(kGroup, rows - g0);
+      transpose_probs(S + g0 * ldk, ldk, G, ldk, sc.pt.data());
+      Tiles<kGroup>::pv<DT>(G, sc.pt.data(), sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+    }
+  }
+}
+
+// Qt[(r / 16) * Dk * 16 + d * 16 + r % 16] = q_r[d] · scale; lanes past `rows` are zero.
+inline void pack_queries(const float* const* q, int rows, int64_t Dk, float scale, float* Qt) {
+  const int groups = (rows + kGroup - 1) / kGroup;
+  std::fill(Qt, Qt + groups * Dk * kGroup, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    float* dst = Qt + (r / kGroup) * Dk * kGroup + r % kGroup;
+    for (int64_t d = 0; d < Dk; ++d) dst[d * kGroup] = q[r][d] * scale;
   }
 }
 
@@ -296,7 +322,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
 #pragma omp parallel
   {
     Scratch sc(hf, kn.decode_kv_block, Dk);
-    std::vector<float> Q(hf * Dk);
+    std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
+    std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -307,15 +334,12 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
       const int64_t base = (b * H + h0) * S + s;  // partial index of (b, h0, s); heads step by S
       if (k1 <= k0) continue;
-      for (int r = 0; r < rows; ++r) {
-        const float* qr = q + (b * H + h0 + r) * Dk;
-        for (int64_t d = 0; d < Dk; ++d) Q[r * Dk + d] = qr[d] * scale;
-        lim[r] = len;
-      }
+      for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk, lim[r] = len;
+      pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::vector<float> m(rows, kNegInf), l(rows, 0.f);
       float* A = part_acc.data() + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
-      attend<DT>(Q.data(), Dk, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kn.decode_kv_block, sc, m.data(),
+      attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kn.decode_kv_block, sc, m.data(),
                  l.data(), A, S * Dv);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
@@ -349,7 +373,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
 #pragma omp parallel
   {
     Scratch sc(qb, kn.extend_kv_block, Dk);
-    std::vector<float> Q(qb * Dk), A(qb * Dv), m(qb), l(qb);
+    std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
+    std::vector<const float*> qrow(qb);
     std::vector<int64_t> lim(qb);
     // The most expensive tiles (the last query rows see the most keys) are handed out first.
 #pragma omp for schedule(dynamic, 1)
@@ -357,13 +382,13 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       const int64_t tile = ntile - 1 - t / H, h = t % H, i0 = tile * qb;
       const int rows = (int)std::min(qb, T - i0);
       for (int r = 0; r < rows; ++r) {
-        const float* qr = q + ((i0 + r) * H + h) * Dk;
-        for (int64_t d = 0; d < Dk; ++d) Q[r * Dk + d] = qr[d] * scale;
+        qrow[r] = q + ((i0 + r) * H + h) * Dk;
         lim[r] = prefix + i0 + r + 1;
         m[r] = kNegInf, l[r] = 0.f;
       }
+      pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
-      attend<DT>(Q.data(), Dk, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block, sc,
+      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block, sc,
                  m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
