@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -36,6 +37,17 @@ def active_weight_bytes(llm: LLM) -> int:
 def run_once(llm: LLM, prompt: list[int], decode: int) -> dict:
     out = llm.generate(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))[0]
     return {"ttft_s": out.ttft_s, "decode_s": out.decode_s, "decoded": len(out.token_ids) - 1}
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], decode: int) -> dict:
+    """B requests at once (continuous batching: the prompts prefill together, then decode steps of B
+    tokens): ttft_s until every first token, decode_s the rest of the wall time, decoded the tokens
+    generated after each first one (all sequences)."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=decode, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    ttft = max(o.ttft_s for o in outs)
+    return {"ttft_s": ttft, "decode_s": wall - ttft, "decoded": sum(len(o.token_ids) - 1 for o in outs)}
 
 
 def summarize(samples: list[float]) -> dict:

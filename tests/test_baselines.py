@@ -130,6 +130,28 @@ def test_llama_cpp_greedy_tokens_match_ours(tiny_f32):
             assert agree == N_TOKENS, (ours, theirs)
 
 
+def test_llama_cpp_batch_api_decodes_each_sequence_as_alone(tiny_f32):
+    """The batch workload's driver: B prompts of different lengths in one llama_decode, then steps of B
+    tokens; each sequence's greedy tokens equal llama.cpp's own single-sequence ones and ours."""
+    _llama_cpp_or_skip()
+    from engine.llm import LLM, SamplingParams
+    from suites.baselines.llamacpp import LlamaCpp
+    from suites.e2e import run_batch
+
+    prompts = [[0, 17, 250, 33, 101, 7, 480, 66], [0] + list(range(100, 140)), [0, 5, 9]]
+    llm = LLM("tiny", dtype="float32", knobs={"kernel_backend": "reference"}, progress=False)
+    with LlamaCpp(tiny_f32, threads=1, n_ctx=256) as ll:
+        r = ll.worker.call("time_batch", prompts=prompts, n_decode=11)
+        assert r["decoded"] == 33 and r["ttft_s"] > 0 and r["decode_s"] > 0
+        for prompt, tokens in zip(prompts, r["tokens"]):
+            assert tokens == ll.greedy(prompt, 12)
+            assert tokens == llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+        timed = ll.run_batch(prompts, 12)
+        assert timed["decoded"] == 33
+    ours = run_batch(llm, prompts, 12)
+    assert ours["decoded"] == 33 and ours["decode_s"] > 0
+
+
 # ------------------------------------------------------------------ the worker protocol
 
 
@@ -209,7 +231,8 @@ def test_compare_workloads_table_and_page(tmp_path):
     assert parse_workloads("io:128/32,ttft:512;2048,moe:1") == [
         {"kind": "io", "prompt": 128, "decode": 32}, {"kind": "ttft", "prompt": 512, "decode": 2},
         {"kind": "ttft", "prompt": 2048, "decode": 2}, {"kind": "moe", "tokens": 1}]
-    for bad in ("io:128", "speed:3", "io:0/4", ""):
+    assert parse_workloads("batch:4/128/32") == [{"kind": "batch", "batch": 4, "prompt": 128, "decode": 32}]
+    for bad in ("io:128", "speed:3", "io:0/4", "", "batch:4/128", "batch:0/8/4"):
         with pytest.raises(MoetuneError):
             parse_workloads(bad)
     assert parse_baselines("kt,llama.cpp,llamacpp") == ["ktransformers", "llama.cpp"]

@@ -6,6 +6,9 @@
 Workloads (the seeds' workloads, scaled to the machine by their lengths):
     io:P/D        one request, P prompt tokens, D generated: TTFT, TPOT, prefill and decode tokens/s
     ttft:P1,P2    prompt sweep, TTFT only (2 tokens generated)
+    batch:B/P/D   B requests of P prompt tokens decoded together, D tokens each: aggregate decode
+                  tokens/s and time per decode step (ours: continuous batching; llama.cpp: its batch
+                  API, one llama_decode of B tokens per step, each request its own sequence id)
     moe:T1,T2     the fused MoE layer alone (--moe-shape, --moe-experts) vs kt-kernel, T tokens
 
 Each workload runs ours, theirs, ours, theirs … (one warm-up each first, then --repeats pairs), the
@@ -51,10 +54,13 @@ def parse_workloads(text: str) -> list[dict]:
     for part in [p.strip() for p in text.replace(";", ",").split(",") if p.strip()]:
         if ":" in part:
             kind, part = part.split(":", 1)
-        if kind not in ("io", "ttft", "moe"):
-            raise MoetuneError(f"workload {part!r}: kind must be io, ttft or moe (e.g. io:128/32)")
+        if kind not in ("io", "ttft", "moe", "batch"):
+            raise MoetuneError(f"workload {part!r}: kind must be io, ttft, batch or moe (e.g. io:128/32)")
         try:
-            if kind == "io":
+            if kind == "batch":
+                b, p, d = part.split("/")
+                w = {"kind": "batch", "batch": int(b), "prompt": int(p), "decode": int(d)}
+            elif kind == "io":
                 p, d = part.split("/")
                 w = {"kind": "io", "prompt": int(p), "decode": int(d)}
             elif kind == "ttft":
@@ -62,7 +68,7 @@ def parse_workloads(text: str) -> list[dict]:
             else:
                 w = {"kind": "moe", "tokens": int(part)}
         except ValueError:
-            raise MoetuneError(f"workload {kind}:{part} is not well formed (io:P/D, ttft:P, moe:T)") from None
+            raise MoetuneError(f"workload {kind}:{part} is not well formed (io:P/D, ttft:P, batch:B/P/D, moe:T)") from None
         if min(v for k, v in w.items() if k != "kind") < 1 or (kind != "moe" and w["decode"] < 2):
             raise MoetuneError(f"workload {kind}:{part}: lengths must be ≥ 1 (decode ≥ 2)")
         out.append(w)
@@ -105,7 +111,7 @@ def alternate(engines: dict, prompt: list[int], decode: int, repeats: int) -> di
     for run in engines.values():
         run(prompt, 2)
     runs: dict[str, list[dict]] = {name: [] for name in engines}
-    for _ in tqdm(range(repeats), desc=f"P={len(prompt)} D={decode}", leave=False):
+    for _ in tqdm(range(repeats), desc=f"D={decode}", leave=False):
         for name, run in engines.items():
             runs[name].append(run(prompt, decode))
     return runs
@@ -131,13 +137,15 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
 
     from engine.llm import LLM
     from suites.baselines.llamacpp import LlamaCpp, ensure_gguf, require_llama_cpp
-    from suites.e2e import run_once
+    from suites.e2e import run_batch, run_once
 
     if "llama.cpp" not in baselines:
         return []
     require_llama_cpp()
     dtype, gtype = PRECISIONS[args.precision]
     longest = max(w["prompt"] + w["decode"] for w in workloads)
+    if any(w["kind"] == "batch" and w["batch"] * w["prompt"] > 512 for w in workloads):
+        raise MoetuneError("batch workloads: B × P must be ≤ 512 (both engines prefill the B prompts in one step)")
     gguf = ensure_gguf(our_model(args.model, args.precision), gtype)
     llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads})
     ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,
@@ -148,13 +156,21 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
         theirs_settings = {**ll.settings, "gguf_type": gtype}
         for w in workloads:
             g = torch.Generator().manual_seed(w["prompt"])
-            prompt = torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
-            runs = alternate({"moetune": lambda p, d: run_once(llm, p, d), "llama.cpp": ll.run_once},
-                             prompt, w["decode"], args.repeats)
+            if w["kind"] == "batch":  # B different prompts, decoded together by each engine
+                prompt = [torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
+                          for _ in range(w["batch"])]
+                engines = {"moetune": lambda p, d: run_batch(llm, p, d), "llama.cpp": ll.run_batch}
+            else:
+                prompt = torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
+                engines = {"moetune": lambda p, d: run_once(llm, p, d), "llama.cpp": ll.run_once}
+            runs = alternate(engines, prompt, w["decode"], args.repeats)
             for engine, settings in (("moetune", ours_settings), ("llama.cpp", theirs_settings)):
-                m = io_metrics(runs[engine], w["prompt"])
+                m = io_metrics(runs[engine], w["prompt"] * w.get("batch", 1))
                 if w["kind"] == "ttft":
                     m = {k: v for k, v in m.items() if k in ("ttft_s", "prefill_tok_s")}
+                if w["kind"] == "batch":  # per decode step (B tokens), not per token
+                    m["tpot_s"] = ([r["decode_s"] / (r["decoded"] / w["batch"]) for r in runs[engine]], "s",
+                                   "minimize")
                 rows += rows_for(engine, m, w, args.model, args.precision, settings)
     return rows
 
@@ -229,7 +245,8 @@ def table(rows: list[dict]) -> str:
         scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
         w = json.loads(wl)
         label = {"io": lambda: f"io {w['prompt']}/{w['decode']}", "ttft": lambda: f"prompt {w['prompt']}",
-                 "moe": lambda: f"moe T={w.get('tokens')}"}[w["kind"]]()
+                 "moe": lambda: f"moe T={w.get('tokens')}",
+                 "batch": lambda: f"batch {w.get('batch')} × {w['prompt']}/{w['decode']}"}[w["kind"]]()
         ours = engines.get("moetune")
         for name, theirs in engines.items():
             if name == "moetune" or not ours:

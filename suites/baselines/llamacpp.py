@@ -84,6 +84,11 @@ class LlamaCpp(WorkerOwner):
         r = self.worker.call("time", prompt=list(prompt), n_decode=max(decode - 1, 1))
         return {"ttft_s": r["ttft_s"], "decode_s": r["decode_s"], "decoded": r["decoded"]}
 
+    def run_batch(self, prompts: list[list[int]], decode: int) -> dict:
+        """Same fields as suites.e2e.run_batch: B sequences decoded together (llama.cpp's batch API)."""
+        r = self.worker.call("time_batch", prompts=[list(p) for p in prompts], n_decode=max(decode - 1, 1))
+        return {"ttft_s": r["ttft_s"], "decode_s": r["decode_s"], "decoded": r["decoded"]}
+
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,11 @@ Ops:
     time   prompt (ids), n_decode               ttft_s (prompt eval + first argmax), decode_s for
                                                 n_decode more tokens, llama-bench style: a fresh
                                                 context each call, one token per eval when decoding
+    time_batch prompts (lists of ids), n_decode B sequences through llama.cpp's batch API: one
+                                                llama_decode for every prompt (each its own sequence
+                                                id), then n_decode steps of one llama_decode holding
+                                                B tokens; ttft_s, decode_s, decoded = B · n_decode,
+                                                tokens: each sequence's greedy tokens
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ def load(path: str, threads: int, n_ctx: int = 4096, n_batch: int = 512) -> dict
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                           n_threads_batch=threads, verbose=False, logits_all=False, use_mmap=False)
     _state["llm"] = llm
+    _state["threads"] = threads
     return {"rss_before": before, "rss_after": _rss_bytes(),
             "model_bytes": int(llama_cpp.llama_model_size(llm.model)),
             "n_params": int(llama_cpp.llama_model_n_params(llm.model)),
@@ -95,5 +101,64 @@ def time_run(prompt: list, n_decode: int) -> dict:
     return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decoded": n_decode, "rss": _rss_bytes()}
 
 
+def _batch_context(n_seq: int, n_ctx: int, n_batch: int):
+    """A second context on the loaded model for n_seq parallel sequences (kept until the shape changes)."""
+    import llama_cpp
+
+    key = (n_seq, n_ctx, n_batch)
+    if _state.get("batch_key") != key:
+        if _state.get("batch_ctx") is not None:
+            llama_cpp.llama_free(_state.pop("batch_ctx"))
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, n_seq
+        p.n_threads = p.n_threads_batch = _state["threads"]
+        ctx = llama_cpp.llama_init_from_model(_llm().model, p)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences of {n_ctx} tokens")
+        _state["batch_ctx"], _state["batch_key"] = ctx, key
+    return _state["batch_ctx"]
+
+
+def time_batch(prompts: list, n_decode: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for p in prompts:
+        _check(p, n_decode)
+    b, n_prompt = len(prompts), sum(len(p) for p in prompts)
+    per_seq = -(-(max(len(p) for p in prompts) + n_decode + 16) // 256) * 256
+    ctx = _batch_context(b, b * per_seq, max(512, n_prompt))
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    n_vocab = _llm().n_vocab()
+    batch = llama_cpp.llama_batch_init(max(n_prompt, b), 0, b)
+
+    def run(entries) -> list[int]:  # (token, position, sequence, wants logits) → argmax of each output
+        batch.n_tokens = len(entries)
+        for i, (tok, pos, seq, out) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
+            batch.seq_id[i][0] = seq
+        rc = llama_cpp.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+                for i, e in enumerate(entries) if e[3]]
+
+    try:
+        t0 = time.perf_counter()
+        toks = run([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
+        t1 = time.perf_counter()
+        out = [toks]
+        for step in range(n_decode):
+            toks = run([(toks[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
+            out.append(toks)
+        t2 = time.perf_counter()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decoded": b * n_decode, "rss": _rss_bytes(),
+            "tokens": [list(seq) for seq in zip(*out)]}
+
+
 if __name__ == "__main__":
-    sys.exit(serve({"info": info, "load": load, "greedy": greedy, "time": time_run}))
+    sys.exit(serve({"info": info, "load": load, "greedy": greedy, "time": time_run, "time_batch": time_batch}))
