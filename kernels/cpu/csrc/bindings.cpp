@@ -8,6 +8,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
                                         double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave);
 double read_seconds(const at::Tensor& buf);
+double read_seconds_streams(const at::Tensor& buf, int64_t streams, int64_t prefetch_bytes);
 double fma_gflops(int64_t iters);
 double int16_madd_gops(int64_t iters);
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
@@ -27,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "flash decoding over a paged cache (heads folded, KV splits), optional fused cache write; float32");
   m.def("attn_extend", &moetune::attn_extend, "causal extend attention over a paged/dense K/V; float32");
   m.def("read_seconds", &moetune::read_seconds, "seconds to stream-read a float32 buffer with every thread");
+  m.def("read_seconds_streams", &moetune::read_seconds_streams,
+        "the same read as interleaved streams per thread with software prefetch (the kernels' pattern)");
   m.def("fma_gflops", &moetune::fma_gflops);
   m.def("int16_madd_gops", &moetune::int16_madd_gops);
 }

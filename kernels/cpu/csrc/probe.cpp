@@ -36,6 +36,38 @@ double read_seconds(const at::Tensor& buf) {
   return dt;
 }
 
+// The same read as several interleaved streams per thread (each thread's slice cut into `streams`
+// parts read in lockstep) with software prefetch `prefetch_bytes` ahead of each: the access pattern
+// of the kernels (several weight rows at a time), which the plain sequential read can under-measure.
+double read_seconds_streams(const at::Tensor& buf, int64_t streams, int64_t prefetch_bytes) {
+  TORCH_CHECK(streams >= 1 && streams <= 16 && prefetch_bytes >= 0, "read_seconds_streams: 1..16 streams");
+  const float* p = buf.data_ptr<float>();
+  const int64_t n = buf.numel(), ahead = prefetch_bytes / 4;
+  double sink = 0;
+  const double t0 = now();
+#pragma omp parallel reduction(+ : sink)
+  {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t chunk = (n / nt) & ~int64_t(63), b = id * chunk;
+    const int64_t part = (chunk / streams) & ~int64_t(15);
+    __m512 acc[16];
+    for (int s = 0; s < streams; ++s) acc[s] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < part; i += 16) {
+      for (int s = 0; s < streams; ++s) {
+        const float* q = p + b + s * part + i;
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q + ahead), _MM_HINT_T0);
+        acc[s] = _mm512_add_ps(acc[s], _mm512_loadu_ps(q));
+      }
+    }
+    __m512 t = _mm512_setzero_ps();
+    for (int s = 0; s < streams; ++s) t = _mm512_add_ps(t, acc[s]);
+    sink += hsum(t);
+  }
+  const double dt = now() - t0;
+  if (sink == 1234.5) std::printf(" ");
+  return dt;
+}
+
 // GFLOP/s of `iters` rounds of 12 independent FP32 FMA vectors per thread (2 flops × 16 lanes).
 double fma_gflops(int64_t iters) {
   double sink = 0;
