@@ -138,6 +138,10 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("cpu_fp8_method", str, "vector", "kernels/cpu",
          "CPU FP8 weights: E4M3 expanded by bit arithmetic in registers (vector) or by a 256-entry "
          "table gather (lut)", choices=("vector", "lut")),
+    Knob("cpu_int4_method", str, "int16", "kernels/cpu",
+         "CPU INT4 weights (scale groups of a multiple of 64): integer products against int16-quantized "
+         "activations (int16, half the instructions) or float products against float activations (float)",
+         choices=("float", "int16")),
     Knob("cpu_attn_head_fold", int, 16, "kernels/cpu",
          "CPU attention decode: query heads sharing a KV head folded into one task's rows (each cache "
          "block converted once for them; register groups of ≤ 16)", low=1, high=64, log=True),

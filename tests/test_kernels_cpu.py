@@ -6,7 +6,10 @@ cpu_* knob value (sampled from its catalogue range) must give the same answer.
 
 Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
 - float32 activations, any weight format: 2e-5 — the same math, only the summation order differs
-  (INT8: the integer products are exact in both, activations quantized identically);
+  (INT8: the integer products are exact in both, activations quantized identically); except INT4
+  with scale groups of a multiple of 64 under cpu_int4_method=int16 (the default): 1e-4, because
+  the kernel rounds each token's activations to int16 (step = the row's max / 32767, a relative
+  error ≈ 3e-5 on random rows) where the reference multiplies float activations;
 - bfloat16 activations: 1e-2 for linear (both round the output to bf16), 2e-2 for fused MoE (the
   reference also rounds the gate/up output to bf16 before SiLU, the kernel keeps float32).
 Plus: the engine's logits with this backend still match transformers (the bf16 bound of
@@ -26,7 +29,13 @@ if missing_isa():
 import kernels.cpu as cpu  # noqa: E402  (compiles the extension on first use)
 from engine.knobs import CATALOGUE  # noqa: E402
 
-TIGHT, BF16_LINEAR, BF16_MOE = 2e-5, 1e-2, 2e-2
+TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16 = 2e-5, 1e-2, 2e-2, 1e-4
+
+
+def tight(fmt: str, knobs: dict | None = None) -> float:
+    """The float32-activation bound of a format (see the module docstring)."""
+    int16 = (knobs or {}).get("cpu_int4_method", cpu.KNOB_DEFAULTS["cpu_int4_method"]) == "int16"
+    return INT4_INT16 if int16 and fmt in ("int4_g64_asym", "int4_g128") else TIGHT
 FORMATS = ("f32", "bf16", "int8", "fp8", "int4_g32", "int4_g64_asym", "int4_g128")
 
 
@@ -97,7 +106,7 @@ class BackendConformance:
         g = torch.Generator().manual_seed(t * n + k)
         w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
         x = torch.randn(t, k, generator=g)
-        check(self.backend.linear(x, w), reference.linear(x, w), TIGHT, f"linear {fmt} {shape}")
+        check(self.backend.linear(x, w), reference.linear(x, w), tight(fmt), f"linear {fmt} {shape}")
         xb = x.to(torch.bfloat16)
         check(self.backend.linear(xb, w), reference.linear(xb, w), BF16_LINEAR, f"linear bf16-act {fmt} {shape}")
 
@@ -108,7 +117,7 @@ class BackendConformance:
         w13, w2 = moe_weights(e, d, i, fmt)
         tw, ids = routing(t, e, k, seed=t, experts=pool)
         x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
-        check(self.backend.fused_moe(x, w13, w2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), TIGHT,
+        check(self.backend.fused_moe(x, w13, w2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), tight(fmt),
               f"fused_moe {fmt} {case}")
         xb = x.to(torch.bfloat16)
         check(self.backend.fused_moe(xb, w13, w2, tw, ids), reference.fused_moe(xb, w13, w2, tw, ids), BF16_MOE,
@@ -188,8 +197,9 @@ def test_every_knob_value_gives_the_same_answer(name, value):
         w13_1 = cpu.prepare(w13.orig[1])
         for x, tw, ids, ref_moe, ref_linear in cases:
             t = x.shape[0]
-            check(cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs), ref_moe, TIGHT, f"fused_moe {fmt} T={t} {knobs}")
-            check(cpu.linear(x, w13_1, knobs=knobs), ref_linear, TIGHT, f"linear {fmt} T={t} {knobs}")
+            tol = tight(fmt, knobs)
+            check(cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs), ref_moe, tol, f"fused_moe {fmt} T={t} {knobs}")
+            check(cpu.linear(x, w13_1, knobs=knobs), ref_linear, tol, f"linear {fmt} T={t} {knobs}")
 
 
 def test_knob_defaults_mirror_the_catalogue():

@@ -32,6 +32,7 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_gemm_min_tokens": 32,
     "cpu_gemm_block_n": 256,
     "cpu_fp8_method": "vector",
+    "cpu_int4_method": "int16",
     "cpu_attn_head_fold": 16,
     "cpu_attn_kv_splits": 8,
     "cpu_attn_decode_kv_block": 64,
@@ -41,6 +42,7 @@ KNOB_DEFAULTS: dict[str, Any] = {
 ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
               "cpu_attn_extend_kv_block")
 FP8_METHODS = {"vector": 0, "lut": 1}
+INT4_METHODS = {"float": 0, "int16": 1}
 _knobs = dict(KNOB_DEFAULTS)
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
@@ -68,7 +70,7 @@ def _knob_vector(overrides: dict | None) -> list[int]:
     k = _merged(overrides)
     return [int(k["cpu_micro_rows"]), int(k["cpu_micro_tokens"]), int(k["cpu_linear_block_n"]),
             int(k["cpu_moe_block_n"]), int(k["cpu_gemm_min_tokens"]), int(k["cpu_gemm_block_n"]),
-            FP8_METHODS[k["cpu_fp8_method"]]]
+            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]]]
 
 
 # ---------------------------------------------------------------- weights

@@ -11,7 +11,8 @@
 
 namespace moetune {
 
-enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4 };
+enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5 };  // kInt4i: INT4 by integer products
+enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1 };
 
 // One weight matrix [N, K] (one expert of a stack, or a plain linear).
@@ -26,6 +27,7 @@ struct WeightView {
   int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row
   int block_n = 1;               // fp8: rows per scale block
   int fp8_method = kFp8Vector;
+  bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
 };
 
 // Per-call run-time knobs (all from the knob catalogue, passed by Python).
@@ -37,6 +39,7 @@ struct Knobs {
   int gemm_min_tokens = 32;  // from this many tokens (per expert in MoE) use unpack + BLAS
   int gemm_block_n = 256;    // rows unpacked per BLAS call (the weight-unpack cache block)
   int fp8_method = kFp8Vector;
+  int int4_method = kInt4Int16;  // INT4 with group % 64 == 0: integer products (or float, as other groups)
 };
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }

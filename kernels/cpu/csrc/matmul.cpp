@@ -28,6 +28,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kInt8: return get_micro_int8(rows, tokens);
     case kFp8: return get_micro_fp8(rows, tokens);
     case kInt4: return get_micro_int4(rows, tokens);
+    case kInt4i: return get_micro_int4i(rows, tokens);
   }
   return nullptr;
 }
@@ -37,7 +38,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 ? 2 : 1; }
 
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
-                          const at::Tensor& zero, int64_t group, int64_t block_n, int64_t fp8_method) {
+                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn) {
   TORCH_CHECK(w.is_contiguous(), "weight must be contiguous");
   StackedWeight s;
   WeightView& v = s.base;
@@ -48,7 +49,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.row_bytes = w.size(-1) * elem_bytes((int)fmt);
   v.group = (int)group;
   v.block_n = (int)block_n;
-  v.fp8_method = (int)fp8_method;
+  v.fp8_method = kn.fp8_method;
+  v.int4_int = fmt == kInt4 && kn.int4_method == kInt4Int16 && group % 64 == 0;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
     v.scale = scale.data_ptr<float>();
@@ -64,7 +66,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 }
 
 Knobs make_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 7, "expected 7 knob values");
+  TORCH_CHECK(k.size() == 8, "expected 8 knob values");
   Knobs kn;
   kn.micro_rows = (int)k[0];
   kn.micro_tokens = (int)k[1];
@@ -73,6 +75,7 @@ Knobs make_knobs(const std::vector<int64_t>& k) {
   kn.gemm_min_tokens = (int)std::max<int64_t>(1, k[4]);
   kn.gemm_block_n = (int)std::max<int64_t>(1, k[5]);
   kn.fp8_method = (int)k[6];
+  kn.int4_method = (int)k[7];
   TORCH_CHECK(get_micro(kBF16, kn.micro_rows, kn.micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   return kn;
 }
@@ -104,13 +107,14 @@ static void quantize_row(const float* x, int64_t K, int16_t* q, float* scale) {
   for (; k < K; ++k) q[k] = (int16_t)std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / s)));
 }
 
-Act PreparedAct::view() const {
+Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padded width
   Act a;
   if (xq.defined()) {
     a.xq = xq.data_ptr<int16_t>();
     a.xs = xs.data_ptr<float>();
     a.ld = xq.size(1);
-  } else {
+  }
+  if (xf.defined()) {
     a.xf = xf.data_ptr<float>();
     a.ld = xf.size(1);
   }
@@ -118,6 +122,7 @@ Act PreparedAct::view() const {
     a.gsum = gsum.data_ptr<float>();
     a.gld = gsum.size(1);
   }
+  if (gsumq.defined()) a.gsumq = gsumq.data_ptr<float>();
   return a;
 }
 
@@ -139,6 +144,28 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) std::memcpy(d + m * kp, src + m * ld, K * sizeof(float));
   });
+  if (W.fmt == kInt4 && W.int4_int) {  // int16 activations (±32767) in the kernel's order, int group sums
+    p.xq = at::zeros({M, kp}, at::kShort);
+    p.xs = at::empty({M}, at::kFloat);
+    p.gsumq = at::zeros({M, kp / W.group}, at::kFloat);
+    int16_t* q = p.xq.data_ptr<int16_t>();
+    float *s = p.xs.data_ptr<float>(), *gq = p.gsumq.data_ptr<float>();
+    const int64_t G = kp / W.group;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = d + m * kp;
+      float a = 0.f;
+      for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(xr[k]));
+      s[m] = a > 0.f ? a / 32767.f : 1.f;
+      const float inv = 1.f / s[m];
+      for (int64_t k0 = 0; k0 < kp; k0 += 64)
+        for (int64_t i = 0; i < 64; ++i) {
+          const int64_t src = k0 + i, dst = k0 + (i < 16 ? i : i < 32 ? i + 16 : i < 48 ? i - 16 : i);
+          const int16_t v = (int16_t)std::max(-32767.f, std::min(32767.f, std::nearbyint(xr[src] * inv)));
+          q[m * kp + dst] = v;
+          gq[m * G + src / W.group] += (float)v;
+        }
+    }
+  }
   if (W.fmt == kInt4) {
     const int64_t G = kp / W.group;
     p.gsum = at::zeros({M, G}, at::kFloat);
@@ -163,8 +190,9 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn) {
   const int R = kn.micro_rows, MT = kn.micro_tokens;
-  MicroFn fn = get_micro(W.fmt, R, MT);
-  MicroFn fn1 = get_micro(W.fmt, R, 1);
+  const int fmt = W.fmt == kInt4 && W.int4_int ? kInt4i : W.fmt;
+  MicroFn fn = get_micro(fmt, R, MT);
+  MicroFn fn1 = get_micro(fmt, R, 1);
   float buf[8 * 4];
   int64_t t[4];
   for (int64_t m0 = 0; m0 < M; m0 += MT) {
@@ -246,7 +274,7 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
 
 // x as the GEMM path multiplies it: float32, or for INT8 the quantized integers (exact in float32).
 static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
-  if (p.xq.defined()) return p.xq.narrow(1, 0, K).to(at::kFloat);
+  if (p.xq.defined() && !p.xf.defined()) return p.xq.narrow(1, 0, K).to(at::kFloat);
   return p.xf.narrow(1, 0, K);
 }
 
@@ -255,7 +283,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
                      std::vector<int64_t> knobs) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
   const Knobs kn = make_knobs(knobs);
-  const WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn.fp8_method).base;
+  const WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
   PreparedAct p = prepare_act(x, W);
   if (M >= kn.gemm_min_tokens) {

@@ -48,7 +48,7 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // Rows `rows` of a GEMM-path input (float32 or the INT8 integers as float32).
 at::Tensor gather_rows(const PreparedAct& p, const int64_t* rows, int64_t n, int64_t K) {
   at::Tensor idx = at::from_blob(const_cast<int64_t*>(rows), {n}, at::kLong);
-  if (p.xq.defined()) return p.xq.narrow(1, 0, K).index_select(0, idx).to(at::kFloat);
+  if (p.xq.defined() && !p.xf.defined()) return p.xq.narrow(1, 0, K).index_select(0, idx).to(at::kFloat);
   return p.xf.narrow(1, 0, K).index_select(0, idx);
 }
 
@@ -117,8 +117,8 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_w.scalar_type() == at::kFloat, "fused_moe: ids int64, weights float32");
   const Knobs kn = make_knobs(knobs);
   const int64_t T = x.size(0), D = x.size(1), E = w13.size(0);
-  const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn.fp8_method);
-  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn.fp8_method);
+  const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn);
+  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn);
   const Routing r = group_by_expert(topk_w.contiguous(), topk_ids.contiguous(), E);
   const int64_t P = T * topk_ids.size(1);
 

@@ -28,13 +28,13 @@ struct StackedWeight {
 };
 
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
-                          const at::Tensor& zero, int64_t group, int64_t block_n, int64_t fp8_method);
+                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn);
 Knobs make_knobs(const std::vector<int64_t>& k);
 
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
 // quantized rows + scales. Owns its buffers.
 struct PreparedAct {
-  at::Tensor xf, xq, xs, gsum;
+  at::Tensor xf, xq, xs, gsum, gsumq;
   Act view() const;
 };
 PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
