@@ -142,20 +142,28 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
          "CPU INT4 weights (scale groups of a multiple of 64): integer products against int16-quantized "
          "activations (int16, half the instructions) or float products against float activations (float)",
          choices=("float", "int16")),
-    Knob("cpu_attn_head_fold", int, 16, "kernels/cpu",
+    Knob("cpu_attn_head_fold", int, 128, "kernels/cpu",
          "CPU attention decode: query heads sharing a KV head folded into one task's rows (each cache "
-         "block converted once for them; register groups of ≤ 16)", low=1, high=64, log=True),
+         "block converted once for them; register groups of ≤ 16, or sgemm from cpu_attn_blas_rows)",
+         low=1, high=256, log=True),
     Knob("cpu_attn_kv_splits", int, 8, "kernels/cpu",
          "CPU attention decode (flash decoding): most pieces one sequence's keys are cut into, computed "
          "in parallel and merged by log-sum-exp", low=1, high=64, log=True),
     Knob("cpu_attn_decode_kv_block", int, 64, "kernels/cpu",
          "CPU attention decode: keys per cache block (converted and transposed once, used for the QK "
          "and the PV products while L2-resident)", low=16, high=1024, log=True, pow2=True),
-    Knob("cpu_attn_extend_q_block", int, 32, "kernels/cpu",
+    Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
-    Knob("cpu_attn_extend_kv_block", int, 64, "kernels/cpu",
+    Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
          "CPU extend attention (prefill): keys per online-softmax step", low=16, high=1024, log=True,
          pow2=True),
+    Knob("cpu_attn_blas_rows", int, 32, "kernels/cpu",
+         "CPU attention: from this many rows per task (folded heads, or a query tile) the QK and PV products "
+         "run as sgemm on float32-converted cache blocks instead of the register kernels", low=1, high=1024,
+         log=True),
+    Knob("cpu_attn_blas_kv_block", int, 256, "kernels/cpu",
+         "CPU attention decode, sgemm form (rows ≥ cpu_attn_blas_rows): keys per converted cache block",
+         low=16, high=4096, log=True, pow2=True),
     # CUDA (Triton) tiles, read by kernels/cuda at every launch (kernels.cuda.tiles)
     Knob("cuda_moe_block_m", int, 64, "kernels/cuda",
          "GPU MoE, prefill (contiguous layout): (token, expert) pairs per program", low=16, high=128, pow2=True),

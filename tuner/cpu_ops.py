@@ -22,7 +22,8 @@ BUCKETS = ({"tokens": 1}, {"tokens": 16}, {"tokens": 128})
 HEADS, R, P, BLOCK, DK, DV = 16, 512, 64, 64, 192, 128
 MLA_BUCKETS = ({"batch": 1, "context": 2048}, {"batch": 16, "context": 2048})
 EXTEND_BUCKETS = ({"tokens": 512}, {"tokens": 2048})
-DECODE_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block")
+DECODE_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
+                "cpu_attn_blas_kv_block")  # blas_rows also decides the extend form; searched here
 EXTEND_KNOBS = ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block")
 
 

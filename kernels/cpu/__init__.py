@@ -33,14 +33,16 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_gemm_block_n": 256,
     "cpu_fp8_method": "vector",
     "cpu_int4_method": "int16",
-    "cpu_attn_head_fold": 16,
+    "cpu_attn_head_fold": 128,
     "cpu_attn_kv_splits": 8,
     "cpu_attn_decode_kv_block": 64,
-    "cpu_attn_extend_q_block": 32,
-    "cpu_attn_extend_kv_block": 64,
+    "cpu_attn_extend_q_block": 128,
+    "cpu_attn_extend_kv_block": 512,
+    "cpu_attn_blas_rows": 32,
+    "cpu_attn_blas_kv_block": 256,
 }
 ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
-              "cpu_attn_extend_kv_block")
+              "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_blas_kv_block")
 FP8_METHODS = {"vector": 0, "lut": 1}
 INT4_METHODS = {"float": 0, "int16": 1}
 _knobs = dict(KNOB_DEFAULTS)

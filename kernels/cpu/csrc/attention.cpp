@@ -12,12 +12,17 @@
 // then feed the PV product (rows × 16 value columns, probabilities broadcast). For MLA, K and V are
 // the same cache row (V = its first R columns): each block comes from DRAM once. Scores, the online
 // softmax (running max m, sum l, output rescaled by exp(m_old − m_new)) and outputs are float32.
+// From blas_rows rows per task on, QK and PV go instead through sgemm (ATen → MKL, single-threaded
+// inside the task) on the block converted to float32 rows — the better choice for many heads (V3's 128)
+// or long query tiles, where the products dominate and a tuned GEMM beats the register kernels.
 // The cache may be float32 or bfloat16. Every size is a run-time argument (engine/knobs.py).
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include "ops.h"
 
@@ -30,14 +35,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Attention knobs, in the order kernels/cpu/__init__.py ATTN_KNOBS sends them.
 struct AttnKnobs {
-  int64_t head_fold = 16, kv_splits = 8, decode_kv_block = 64, q_block = 32, extend_kv_block = 64;
+  int64_t head_fold = 128, kv_splits = 8, decode_kv_block = 64, q_block = 128, extend_kv_block = 512, blas_rows = 32,
+          blas_kv_block = 256;
 };
 
 AttnKnobs attn_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 5, "attention: 5 knob values expected");
-  AttnKnobs a{k[0], k[1], k[2], k[3], k[4]};
+  TORCH_CHECK(k.size() == 7, "attention: 7 knob values expected");
+  AttnKnobs a{k[0], k[1], k[2], k[3], k[4], k[5], k[6]};
   TORCH_CHECK(a.head_fold >= 1 && a.kv_splits >= 1 && a.decode_kv_block >= 1 && a.q_block >= 1 &&
-                  a.extend_kv_block >= 1,
+                  a.extend_kv_block >= 1 && a.blas_rows >= 1 && a.blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
   return a;
 }
@@ -219,23 +225,46 @@ KVSource kv_source(const at::Tensor& t, const char* what) {
 
 // Per-task working memory: the transposed key block, scores/probabilities, row state.
 struct Scratch {
-  std::vector<float> kt, s, pt, alpha;
+  std::vector<float> kt, s, pt, alpha, kf, vf, q;  // kf, vf, q: the BLAS form (row-major float32)
   std::vector<const uint8_t*> krow, vrow;
-  Scratch(int64_t rows, int64_t kv_block, int64_t Dk) {
+  Scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
     const int64_t ldk = (kv_block + 15) / 16 * 16;
     kt.resize(Dk * ldk), s.resize(rows * ldk), pt.resize(ldk * kGroup), alpha.resize(rows);
     krow.resize(ldk), vrow.resize(ldk);
+    if (blas) kf.resize(kv_block * Dk), vf.resize(kv_block * Dv), q.resize(rows * Dk);
   }
 };
+
+// Row j of a block as float32 into dst[j * n ...] (n elements).
+template <int DT>
+void rows_to_f32(const uint8_t* const* row, int nb, int64_t n, float* dst) {
+  for (int j = 0; j < nb; ++j)
+    for (int64_t d = 0; d < n; d += 16) {
+      const __mmask16 m = tail_mask16(n - d);
+      _mm512_mask_storeu_ps(dst + j * n + d, m, load16<DT>(row[j], d, m));
+    }
+}
+
+inline at::Tensor view2d(float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(p, {rows, cols}, {ld, 1}, at::kFloat);
+}
 
 // The rows' online-softmax state over keys [k0, k1) of one sequence. Qt: the pre-scaled queries in
 // register groups, [rows / 16][Dk][16] (see pack_queries); lim[r]: row r sees keys n < lim[r];
 // m, l [rows]; A [rows][lda] unnormalized output.
 template <int DT>
 void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
-            const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
-            float* l, float* A, int64_t lda) {
+            const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, bool blas, Scratch& sc,
+            float* m, float* l, float* A, int64_t lda) {
   const int64_t Dk = K.dim, Dv = V.dim;
+  // V the leading columns of the K rows (MLA's latent): one conversion serves both products.
+  const bool v_in_k = V.base == K.base && V.sblock == K.sblock && V.stok == K.stok && V.shead == K.shead && Dv <= Dk;
+  at::Tensor Qm;
+  if (blas) {  // the BLAS form: row-major queries, blocks converted to float32 rows, QK and PV by sgemm
+    for (int r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < Dk; ++d) sc.q[r * Dk + d] = Qt[(r / kGroup) * Dk * kGroup + d * kGroup + r % kGroup];
+    Qm = view2d(sc.q.data(), rows, Dk, Dk);
+  }
   for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
     const int nb = (int)std::min<int64_t>(kv_block, k1 - n0);
     const int64_t ldk = (nb + 15) / 16 * 16;
@@ -243,10 +272,19 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
       sc.krow[j] = K.row(table, n0 + j, kvh);
       sc.vrow[j] = V.row(table, n0 + j, kvh);
     }
-    transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
     float* S = sc.s.data();
-    for (int g0 = 0; g0 < rows; g0 += kGroup)
-      Tiles<kGroup>::qk(std::min(kGroup, rows - g0), Qt + g0 * Dk, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
+    at::Tensor Vm;
+    if (blas) {
+      rows_to_f32<DT>(sc.krow.data(), nb, Dk, sc.kf.data());
+      if (!v_in_k) rows_to_f32<DT>(sc.vrow.data(), nb, Dv, sc.vf.data());
+      Vm = v_in_k ? view2d(sc.kf.data(), nb, Dv, Dk) : view2d(sc.vf.data(), nb, Dv, Dv);
+      at::Tensor St = view2d(S, rows, nb, ldk);
+      St.copy_(at::mm(Qm, view2d(sc.kf.data(), nb, Dk, Dk).t()));
+    } else {
+      transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
+      for (int g0 = 0; g0 < rows; g0 += kGroup)
+        Tiles<kGroup>::qk(std::min(kGroup, rows - g0), Qt + g0 * Dk, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
+    }
     for (int r = 0; r < rows; ++r) {  // online softmax of this block, probabilities written over the scores
       float* sr = S + r * ldk;
       const int vis = (int)std::clamp<int64_t>(lim[r] - n0, 0, nb);
@@ -269,6 +307,13 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
       }
       l[r] = l[r] * sc.alpha[r] + _mm512_reduce_add_ps(sum);
       m[r] = m_new;
+    }
+    if (blas) {
+      for (int r = 0; r < rows; ++r)
+        if (sc.alpha[r] != 1.f)
+          for (int64_t c = 0; c < Dv; ++c) A[r * lda + c] *= sc.alpha[r];
+      view2d(A, rows, Dv, lda).addmm_(view2d(S, rows, nb, ldk), Vm);
+      continue;
     }
     for (int g0 = 0; g0 < rows; g0 += kGroup) {
       const int G = std::min(kGroup, rows - g0);
@@ -321,7 +366,9 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   std::vector<float> part_acc(B * H * S * Dv), part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
 #pragma omp parallel
   {
-    Scratch sc(hf, kn.decode_kv_block, Dk);
+    const bool blas = hf >= kn.blas_rows;
+    const int64_t kvb = blas ? kn.blas_kv_block : kn.decode_kv_block;  // keys per block, for the path taken
+    Scratch sc(hf, kvb, Dk, Dv, blas);
     std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
@@ -339,7 +386,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       std::vector<float> m(rows, kNegInf), l(rows, 0.f);
       float* A = part_acc.data() + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
-      attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kn.decode_kv_block, sc, m.data(),
+      attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),
                  l.data(), A, S * Dv);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
@@ -372,7 +419,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
   const int64_t qb = kn.q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
 #pragma omp parallel
   {
-    Scratch sc(qb, kn.extend_kv_block, Dk);
+    const bool blas = qb >= kn.blas_rows;
+    Scratch sc(qb, kn.extend_kv_block, Dk, Dv, blas);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<const float*> qrow(qb);
     std::vector<int64_t> lim(qb);
@@ -388,7 +436,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       }
       pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
-      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block, sc,
+      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block,
+                 rows >= kn.blas_rows && blas, sc,
                  m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
