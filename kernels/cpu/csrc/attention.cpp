@@ -375,7 +375,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hkv, b = t / (S * nhb * Hkv);
-      const int64_t len = lens[b], split = std::max<int64_t>(1, (len + S - 1) / S);
+      // Cut into at most S pieces, none shorter than one cache block (short contexts: fewer, fuller tasks).
+      const int64_t len = lens[b], split = std::max<int64_t>(kvb, (len + S - 1) / S);
       const int64_t k0 = std::min(len, s * split), k1 = std::min(len, k0 + split);
       const int64_t h0 = kvh * Hg + hb * hf;
       const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
