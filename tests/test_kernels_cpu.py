@@ -291,3 +291,17 @@ def test_engine_greedy_with_cpu_attention_matches_transformers(oracle, absorb):
     assert llm.model.ops is cpu and "mla_decode" in cpu.NATIVE_OPS
     out = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(build_hf_model("v3_odd"), prompt, 12)
+
+
+def test_probe_readers_time_a_real_read_and_refuse_bad_arguments():
+    """The probe's two readers (sequential; interleaved streams with prefetch) time a read of the
+    buffer: more bytes take longer, and a bad stream count is one clear error."""
+    ext = cpu.extension()
+    small, big = torch.ones(1 << 16), torch.ones(1 << 24)
+    for read in (ext.read_seconds, lambda b: ext.read_seconds_streams(b, 4, 1024)):
+        read(big)
+        t_small = min(read(small) for _ in range(3))
+        t_big = min(read(big) for _ in range(3))
+        assert 0 < t_small < t_big
+    with pytest.raises(RuntimeError, match="1..16 streams"):
+        ext.read_seconds_streams(small, 0, 1024)
