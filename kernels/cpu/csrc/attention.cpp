@@ -224,16 +224,27 @@ KVSource kv_source(const at::Tensor& t, const char* what) {
 }
 
 // Per-task working memory: the transposed key block, scores/probabilities, row state.
+// Kept per thread across calls and only ever grown: a call neither zeroes nor page-faults fresh memory.
 struct Scratch {
   std::vector<float> kt, s, pt, alpha, kf, vf, q;  // kf, vf, q: the BLAS form (row-major float32)
   std::vector<const uint8_t*> krow, vrow;
-  Scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
+  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
     const int64_t ldk = (kv_block + 15) / 16 * 16;
-    kt.resize(Dk * ldk), s.resize(rows * ldk), pt.resize(ldk * kGroup), alpha.resize(rows);
-    krow.resize(ldk), vrow.resize(ldk);
-    if (blas) kf.resize(kv_block * Dk), vf.resize(kv_block * Dv), q.resize(rows * Dk);
+    grow(kt, Dk * ldk), grow(s, rows * ldk), grow(pt, ldk * kGroup), grow(alpha, rows);
+    grow(krow, ldk), grow(vrow, ldk);
+    if (blas) grow(kf, kv_block * Dk), grow(vf, kv_block * Dv), grow(q, rows * Dk);
+  }
+  template <class T>
+  static void grow(std::vector<T>& v, int64_t n) {
+    if ((int64_t)v.size() < n) v.resize(n);
   }
 };
+
+Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
+  static thread_local Scratch sc;
+  sc.fit(rows, kv_block, Dk, Dv, blas);
+  return sc;
+}
 
 // Row j of a block as float32 into dst[j * n ...] (n elements).
 template <int DT>
@@ -363,12 +374,17 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim;
   const int64_t hf = std::min(kn.head_fold, Hg), nhb = (Hg + hf - 1) / hf, S = kn.kv_splits;
   const int64_t tasks = B * Hkv * nhb * S;
-  std::vector<float> part_acc(B * H * S * Dv), part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
+  // Split partials: the output rows are written before they are read (an empty split is never read),
+  // so the buffer is reused across calls uninitialized.
+  static thread_local std::vector<float> part_buf;  // the calling thread's; workers get the pointer
+  Scratch::grow(part_buf, B * H * S * Dv);
+  float* const part_acc = part_buf.data();
+  std::vector<float> part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
 #pragma omp parallel
   {
     const bool blas = hf >= kn.blas_rows;
     const int64_t kvb = blas ? kn.blas_kv_block : kn.decode_kv_block;  // keys per block, for the path taken
-    Scratch sc(hf, kvb, Dk, Dv, blas);
+    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas);
     std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
@@ -385,7 +401,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk, lim[r] = len;
       pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::vector<float> m(rows, kNegInf), l(rows, 0.f);
-      float* A = part_acc.data() + base * Dv;
+      float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
       attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),
                  l.data(), A, S * Dv);
@@ -405,7 +421,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       const float w = exp_scalar(part_m[bh * S + s] - M);
       if (w == 0.f) continue;
       denom += w * part_l[bh * S + s];
-      const float* a = part_acc.data() + (bh * S + s) * Dv;
+      const float* a = part_acc + (bh * S + s) * Dv;
       for (int64_t c = 0; c < Dv; ++c) o[c] += w * a[c];
     }
     const float inv = 1.f / denom;
@@ -421,7 +437,7 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
 #pragma omp parallel
   {
     const bool blas = qb >= kn.blas_rows;
-    Scratch sc(qb, kn.extend_kv_block, Dk, Dv, blas);
+    Scratch& sc = thread_scratch(qb, kn.extend_kv_block, Dk, Dv, blas);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<const float*> qrow(qb);
     std::vector<int64_t> lim(qb);
