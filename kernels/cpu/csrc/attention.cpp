@@ -388,6 +388,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
+    std::vector<float> m(hf), l(hf);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hkv, b = t / (S * nhb * Hkv);
@@ -400,7 +401,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       if (k1 <= k0) continue;
       for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk, lim[r] = len;
       pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
-      std::vector<float> m(rows, kNegInf), l(rows, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
       float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
       attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),

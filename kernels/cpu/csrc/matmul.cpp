@@ -283,8 +283,9 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
                      std::vector<int64_t> knobs) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
   const Knobs kn = make_knobs(knobs);
-  const WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
+  WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
+  if (M >= kn.gemm_min_tokens) W.int4_int = false;  // the GEMM path multiplies float activations only
   PreparedAct p = prepare_act(x, W);
   if (M >= kn.gemm_min_tokens) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);

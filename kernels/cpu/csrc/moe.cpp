@@ -127,7 +127,11 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
     if (r.count[e] > 0) (r.count[e] >= kn.gemm_min_tokens ? large : small).push_back(e);
 
   // phase 1: h [P, I]
-  PreparedAct xa = prepare_act(x, W13.base);
+  // INT4's int16 activations only where a microkernel will read them (some expert below the GEMM size)
+  WeightView xw = W13.base, hw = W2.base;
+  xw.int4_int &= !small.empty();
+  hw.int4_int &= !small.empty();
+  PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);
   float* hp = h.data_ptr<float>();
@@ -143,7 +147,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   }
 
   // phase 2: out [T, D]
-  PreparedAct ha = prepare_act_f32rows(hp, P, I, I, W2.base);
+  PreparedAct ha = prepare_act_f32rows(hp, P, I, I, hw);
   const Act H = ha.view();
   at::Tensor out = at::zeros({T, D}, at::kFloat);
   float* op = out.data_ptr<float>();
