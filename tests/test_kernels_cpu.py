@@ -293,15 +293,16 @@ def test_engine_greedy_with_cpu_attention_matches_transformers(oracle, absorb):
     assert out.token_ids == hf_greedy(build_hf_model("v3_odd"), prompt, 12)
 
 
-def test_probe_readers_time_a_real_read_and_refuse_bad_arguments():
-    """The probe's two readers (sequential; interleaved streams with prefetch) time a read of the
-    buffer: more bytes take longer, and a bad stream count is one clear error."""
+def test_probe_readers_return_a_duration_and_refuse_bad_arguments():
+    """The probe's two readers (sequential; interleaved streams with prefetch) return a positive,
+    finite duration for every stream count (no speed is asserted: that is the probe's job), and a
+    bad stream count or prefetch distance is one clear error."""
+    import math
+
     ext = cpu.extension()
-    small, big = torch.ones(1 << 16), torch.ones(1 << 24)
-    for read in (ext.read_seconds, lambda b: ext.read_seconds_streams(b, 4, 1024)):
-        read(big)
-        t_small = min(read(small) for _ in range(3))
-        t_big = min(read(big) for _ in range(3))
-        assert 0 < t_small < t_big
-    with pytest.raises(RuntimeError, match="1..16 streams"):
-        ext.read_seconds_streams(small, 0, 1024)
+    buf = torch.ones(1 << 16)
+    durations = [ext.read_seconds(buf)] + [ext.read_seconds_streams(buf, s, p) for s in (1, 4, 16) for p in (0, 1024)]
+    assert all(d > 0 and math.isfinite(d) for d in durations), durations
+    for streams, ahead in ((0, 1024), (17, 1024), (4, -1)):
+        with pytest.raises(RuntimeError, match="1..16 streams"):
+            ext.read_seconds_streams(buf, streams, ahead)
