@@ -188,8 +188,11 @@ def parallel_figure(rows):
         if values.map(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)).all():
             dims.append(dict(label=col.removeprefix("knob."), values=values.astype(float).tolist()))
         else:
-            cats = sorted(values.astype(str).unique())
-            dims.append(dict(label=col.removeprefix("knob."), values=[cats.index(v) for v in values.astype(str)],
+            # a trial from before a knob existed has no value for it: "unset" (pandas ≥ 3 keeps
+            # missing values missing through astype(str), which would not sort among strings)
+            labels = values.map(lambda v: "unset" if v is None or v != v else str(v))
+            cats = sorted(labels.unique())
+            dims.append(dict(label=col.removeprefix("knob."), values=[cats.index(v) for v in labels],
                              tickvals=list(range(len(cats))), ticktext=cats))
     y = ok["median"].astype(float).tolist()
     dims.append(dict(label=ok["metric"].iloc[0] if len(ok) else "value", values=y))

@@ -106,3 +106,18 @@ def test_concurrent_writers(tmp_path):
     assert [p.wait() for p in procs] == [0, 0]
     df = read_results(tmp_path)
     assert sorted(df.groupby("study")["trial"].count().tolist()) == [8, 8]
+
+
+def test_parallel_figure_with_a_knob_unset_in_older_trials():
+    """`moetune report` on a study whose older trials predate a knob (value missing) draws the knob
+    with an "unset" category instead of failing to sort NaN among strings."""
+    from dashboards.report import parallel_figure
+
+    rows = pd.DataFrame({"status": ["ok"] * 3, "median": [0.3, 0.2, 0.1], "metric": ["tpot_s"] * 3,
+                         "knob.cpu_int4_method": [float("nan"), "int16", "float"],
+                         "knob.threads": [1, 2, 2]})
+    dims = {d["label"]: d for d in parallel_figure(rows).data[0].dimensions}
+    method = dims["cpu_int4_method"]
+    assert list(method.ticktext) == ["float", "int16", "unset"]
+    assert list(method.values) == [2, 1, 0]
+    assert list(dims["threads"].values) == [1, 2, 2]
