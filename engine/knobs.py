@@ -135,13 +135,23 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
          low=16, high=4096, log=True, pow2=True),
-    Knob("cpu_fp8_method", str, "vector", "kernels/cpu",
-         "CPU FP8 weights: E4M3 expanded by bit arithmetic in registers (vector) or by a 256-entry "
-         "table gather (lut)", choices=("vector", "lut")),
+    Knob("cpu_fp8_method", str, "widen", "kernels/cpu",
+         "CPU FP8 weights: E4M3 expanded by bit arithmetic in 32-bit lanes (vector), by a 256-entry "
+         "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "
+         "permuted to match (widen; exact, half the instructions; block K a multiple of 64, else vector)",
+         choices=("vector", "lut", "widen")),
     Knob("cpu_int4_method", str, "int16", "kernels/cpu",
          "CPU INT4 weights (scale groups of a multiple of 64): integer products against int16-quantized "
          "activations (int16, half the instructions) or float products against float activations (float)",
          choices=("float", "int16")),
+    Knob("cpu_task_chunk", int, 1, "kernels/cpu",
+         "CPU linear / fused MoE: consecutive parallel tasks a thread takes at once (1: fully dynamic; "
+         "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
+         "has already fetched)", low=1, high=64, log=True),
+    Knob("cpu_huge_pages", bool, True, "kernels/cpu",
+         "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
+         "transparent huge pages (fewer TLB misses while streaming experts from DRAM)",
+         choices=(False, True), tune=False),
     Knob("cpu_attn_head_fold", int, 128, "kernels/cpu",
          "CPU attention decode: query heads sharing a KV head folded into one task's rows (each cache "
          "block converted once for them; register groups of ≤ 16, or sgemm from cpu_attn_blas_rows)",

@@ -172,8 +172,10 @@ def knob_samples(name: str) -> list:
     return sorted({k.low, k.default, k.high, min(max(mid, k.low), k.high)})
 
 
-# The weight ops' knobs (the attention knobs are swept by tests/test_attention_cpu.py).
-KNOB_CASES = [(name, v) for name in cpu.KNOB_DEFAULTS if name not in cpu.ATTN_KNOBS for v in knob_samples(name)]
+# The weight ops' per-call knobs (the attention knobs are swept by tests/test_attention_cpu.py; the
+# load-time ones, read by prepare(), by their own tests below).
+KNOB_CASES = [(name, v) for name in cpu.KNOB_DEFAULTS if name not in cpu.ATTN_KNOBS + cpu.LOAD_KNOBS
+              for v in knob_samples(name)]
 
 
 @lru_cache(maxsize=None)
@@ -228,6 +230,74 @@ def test_prepare_weights_wraps_formats_and_keeps_their_attributes():
     x = torch.randn(3, 384)
     check(cpu.linear(x, packed["a"]), reference.linear(x, w), TIGHT, "packed fp8")
     assert cpu.prepare(formats.DenseWeight(torch.randn(4, 4, dtype=torch.float16))).w.dtype == torch.float16
+
+
+def test_huge_page_copy_is_aligned_and_equal_and_can_be_turned_off():
+    big = formats.quantize_int8_channel(torch.randn(4, 1024, 700))  # 2.7 MiB of int8: copied
+    small = formats.quantize_int8_channel(torch.randn(64, 64))  # below one huge page: kept
+    p = cpu.prepare(big)
+    assert p.args[1].data_ptr() % (2 << 20) == 0 and p.args[1].data_ptr() != big.w.data_ptr()
+    assert torch.equal(p.orig.w, big.w) and p.orig.w.dtype == torch.int8 and p.orig.scale is big.scale
+    assert cpu.prepare(small).args[1].data_ptr() == small.w.data_ptr()
+    w2 = formats.quantize_int8_channel(torch.randn(4, 700, 1024))
+    tw, ids = routing(3, 4, 2, seed=1)
+    x = torch.randn(3, 700)
+    assert torch.equal(cpu.fused_moe(x, p, cpu.prepare(w2), tw, ids), cpu.fused_moe(x, big, w2, tw, ids))
+    fp8 = formats.quantize_fp8_block(torch.randn(2048, 1100))  # the float8 bytes, 2.1 MiB
+    pf = cpu.prepare(fp8)
+    assert pf.orig.w.dtype == torch.float8_e4m3fn and pf.args[1].data_ptr() % (2 << 20) == 0
+    xf = torch.randn(2, 1100)
+    check(cpu.linear(xf, pf), reference.linear(xf, fp8), TIGHT, "fp8 from huge pages")
+    try:
+        cpu.configure({"cpu_huge_pages": False})
+        assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()
+    finally:
+        cpu.configure({"cpu_huge_pages": True})
+
+
+def _fp8_every_byte():
+    """A [254, 256] FP8 weight whose row i holds byte i (every E4M3 value but the two NaNs) at column
+    i, and one scale 2^-3 per block; its exact value and the value with denormals read as zero."""
+    b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+    w = torch.zeros(254, 256, dtype=torch.uint8)
+    w[torch.arange(254), torch.arange(254)] = b
+    weight = formats.Fp8BlockWeight(w.view(torch.float8_e4m3fn), torch.full((2, 2), 0.125), (128, 128))
+    exact = b.view(torch.float8_e4m3fn).float() * 0.125
+    exp0 = (b & 0x78) == 0
+    return weight, exact, torch.where(exp0, torch.zeros_like(exact), exact), int(exp0.sum())
+
+
+@pytest.mark.parametrize("method", ["vector", "lut", "widen"])
+def test_fp8_every_byte_value(method):
+    """Each E4M3 byte through each expansion method: exact for normal numbers and ±0; denormals
+    (exponent 0) read as zero by widen (MXCSR.DAZ) and as 2^-7·(1 + m/8) by vector/lut, the
+    documented "no denormal handling"; tokens 1, 2 and 4 per microkernel pass."""
+    weight, exact, flushed, n_denormal = _fp8_every_byte()
+    assert n_denormal == 16  # exponent 0: ±0 and the 14 denormals
+    x = torch.zeros(4, 256)
+    x[:, :254] = torch.tensor([1.0, -2.0, 0.5, 4.0])[:, None]
+    for tokens in (1, 2, 4):
+        got = cpu.linear(x, weight, knobs={"cpu_fp8_method": method, "cpu_micro_tokens": tokens})
+        for t, f in enumerate((1.0, -2.0, 0.5, 4.0)):
+            row = got[t] / f
+            if method == "widen":
+                assert torch.equal(row, flushed), (method, tokens, (row - flushed).abs().max())
+            else:
+                normal = flushed != 0
+                assert torch.equal(row[normal], exact[normal]) and (row[~normal].abs() <= 2 ** -7 * 2 * 0.125).all()
+
+
+def test_fp8_widen_activation_range_and_odd_blocks():
+    """widen scales activations by 2^60 inside: large (1e6) and tiny (1e-12) activations stay exact
+    to float32 summation; a block K of 32 (not a multiple of 64) falls back to the vector method."""
+    g = torch.Generator().manual_seed(5)
+    w = formats.quantize_fp8_block(torch.randn(96, 1000, generator=g))
+    for mag in (1e6, 1e-12):
+        x = torch.randn(3, 1000, generator=g) * mag
+        check(cpu.linear(x, w, knobs={"cpu_fp8_method": "widen"}), reference.linear(x, w), TIGHT, f"widen |x|~{mag}")
+    w32 = formats.Fp8BlockWeight(w.w, w.scale_inv.repeat_interleave(4, -1)[..., :32], (128, 32))
+    x = torch.randn(2, 1000, generator=g)
+    check(cpu.linear(x, w32, knobs={"cpu_fp8_method": "widen"}), reference.linear(x, w32), TIGHT, "widen, block K 32")
 
 
 @pytest.mark.parametrize("group", formats.INT4_GROUPS)

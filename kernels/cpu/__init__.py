@@ -12,6 +12,7 @@ Run-time knobs (engine.knobs CATALOGUE, `cpu_*`): set once by `configure(knobs)`
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,9 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_moe_block_n": 32,
     "cpu_gemm_min_tokens": 32,
     "cpu_gemm_block_n": 256,
-    "cpu_fp8_method": "vector",
+    "cpu_fp8_method": "widen",
     "cpu_int4_method": "int16",
+    "cpu_task_chunk": 1,
     "cpu_attn_head_fold": 128,
     "cpu_attn_kv_splits": 8,
     "cpu_attn_decode_kv_block": 64,
@@ -40,10 +42,12 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_attn_extend_kv_block": 512,
     "cpu_attn_blas_rows": 32,
     "cpu_attn_blas_kv_block": 256,
+    "cpu_huge_pages": True,
 }
 ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
               "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_blas_kv_block")
-FP8_METHODS = {"vector": 0, "lut": 1}
+LOAD_KNOBS = ("cpu_huge_pages",)  # read once by prepare(), not per call
+FP8_METHODS = {"vector": 0, "lut": 1, "widen": 2}
 INT4_METHODS = {"float": 0, "int16": 1}
 _knobs = dict(KNOB_DEFAULTS)
 
@@ -72,7 +76,7 @@ def _knob_vector(overrides: dict | None) -> list[int]:
     k = _merged(overrides)
     return [int(k["cpu_micro_rows"]), int(k["cpu_micro_tokens"]), int(k["cpu_linear_block_n"]),
             int(k["cpu_moe_block_n"]), int(k["cpu_gemm_min_tokens"]), int(k["cpu_gemm_block_n"]),
-            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]]]
+            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]], int(k["cpu_task_chunk"])]
 
 
 # ---------------------------------------------------------------- weights
@@ -119,10 +123,33 @@ def _pack(weight) -> tuple | None:
     return None
 
 
+HUGE_MIN_BYTES = 2 << 20  # below one huge page the copy gains nothing
+_BULK_FIELD = {DenseWeight: "w", Int8ChannelWeight: "w", Fp8BlockWeight: "w", Int4GroupWeight: "packed"}
+
+
+def _huge_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into 2 MiB-aligned storage advised for huge pages (the bulk of a weight)."""
+    out = _ext.huge_empty(t.nbytes).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def prepare(weight):
-    """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged."""
+    """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
+
+    With cpu_huge_pages (default) a weight of at least 2 MiB is first copied into huge-page memory
+    (the wrapper then holds that copy, and the caller's original can be freed): streaming an INT8
+    MoE layer from DRAM measured 7–9 % faster than the same bytes on 4 KiB pages (docs/cpu_kernels.md).
+    """
     args = _pack(weight)
-    return weight if args is None or isinstance(weight, Packed) else Packed(weight, args)
+    if args is None or isinstance(weight, Packed):
+        return weight
+    field = _BULK_FIELD.get(type(weight))
+    bulk = getattr(weight, field) if field else None
+    if _knobs["cpu_huge_pages"] and bulk is not None and bulk.nbytes >= HUGE_MIN_BYTES:
+        weight = dataclasses.replace(weight, **{field: _huge_copy(bulk.contiguous())})
+        args = _pack(weight)
+    return Packed(weight, args)
 
 
 def prepare_weights(weights: dict) -> dict:

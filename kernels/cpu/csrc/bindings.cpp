@@ -11,6 +11,7 @@ double read_seconds(const at::Tensor& buf);
 double read_seconds_streams(const at::Tensor& buf, int64_t streams, int64_t prefetch_bytes);
 double fma_gflops(int64_t iters);
 double int16_madd_gops(int64_t iters);
+at::Tensor huge_empty(int64_t nbytes);
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
                        const at::Tensor& slots, std::vector<int64_t> knobs);
@@ -32,4 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same read as interleaved streams per thread with software prefetch (the kernels' pattern)");
   m.def("fma_gflops", &moetune::fma_gflops);
   m.def("int16_madd_gops", &moetune::int16_madd_gops);
+  m.def("huge_empty", &moetune::huge_empty, "uninitialized uint8 [nbytes], 2 MiB aligned, advised for huge pages");
 }

@@ -11,9 +11,10 @@
 
 namespace moetune {
 
-enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5 };  // kInt4i: INT4 by integer products
+// kInt4i: INT4 by integer products; kFp8w: FP8 widened through 16-bit lanes (the "widen" method)
+enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6 };
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1 };
-enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1 };
+enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 
 // One weight matrix [N, K] (one expert of a stack, or a plain linear).
 struct WeightView {
@@ -28,6 +29,7 @@ struct WeightView {
   int block_n = 1;               // fp8: rows per scale block
   int fp8_method = kFp8Vector;
   bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
+  bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
 };
 
 // Per-call run-time knobs (all from the knob catalogue, passed by Python).
@@ -40,6 +42,7 @@ struct Knobs {
   int gemm_block_n = 256;    // rows unpacked per BLAS call (the weight-unpack cache block)
   int fp8_method = kFp8Vector;
   int int4_method = kInt4Int16;  // INT4 with group % 64 == 0: integer products (or float, as other groups)
+  int task_chunk = 1;        // consecutive parallel tasks a thread takes at once (OpenMP dynamic chunk)
 };
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }

@@ -29,6 +29,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kFp8: return get_micro_fp8(rows, tokens);
     case kInt4: return get_micro_int4(rows, tokens);
     case kInt4i: return get_micro_int4i(rows, tokens);
+    case kFp8w: return get_micro_fp8w(rows, tokens);
   }
   return nullptr;
 }
@@ -51,6 +52,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.block_n = (int)block_n;
   v.fp8_method = kn.fp8_method;
   v.int4_int = fmt == kInt4 && kn.int4_method == kInt4Int16 && group % 64 == 0;
+  v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
     v.scale = scale.data_ptr<float>();
@@ -66,7 +68,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 }
 
 Knobs make_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 8, "expected 8 knob values");
+  TORCH_CHECK(k.size() == 9, "expected 9 knob values");
   Knobs kn;
   kn.micro_rows = (int)k[0];
   kn.micro_tokens = (int)k[1];
@@ -76,6 +78,7 @@ Knobs make_knobs(const std::vector<int64_t>& k) {
   kn.gemm_block_n = (int)std::max<int64_t>(1, k[5]);
   kn.fp8_method = (int)k[6];
   kn.int4_method = (int)k[7];
+  kn.task_chunk = (int)std::max<int64_t>(1, k[8]);
   TORCH_CHECK(get_micro(kBF16, kn.micro_rows, kn.micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   return kn;
 }
@@ -123,6 +126,7 @@ Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padd
     a.gld = gsum.size(1);
   }
   if (gsumq.defined()) a.gsumq = gsumq.data_ptr<float>();
+  if (xp.defined()) a.xp = xp.data_ptr<float>();
   return a;
 }
 
@@ -144,6 +148,17 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) std::memcpy(d + m * kp, src + m * ld, K * sizeof(float));
   });
+  if (W.fmt == kFp8 && W.fp8_widen) {  // the widen microkernel's order, × 2^60
+    p.xp = at::empty({M, kp}, at::kFloat);
+    float* o = p.xp.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        for (int64_t k0 = 0; k0 < kp; k0 += 64)
+          for (int v = 0; v < 4; ++v)
+            for (int q = 0; q < 16; ++q)
+              o[m * kp + k0 + 16 * v + q] = d[m * kp + k0 + fp8_widen_order(v, q)] * kFp8WidenActScale;
+    });
+  }
   if (W.fmt == kInt4 && W.int4_int) {  // int16 activations (±32767) in the kernel's order, int group sums
     p.xq = at::zeros({M, kp}, at::kShort);
     p.xs = at::empty({M}, at::kFloat);
@@ -188,21 +203,25 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 // ------------------------------------------------------------------ direct path
 
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo, const Knobs& kn) {
+                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
   const int R = kn.micro_rows, MT = kn.micro_tokens;
-  const int fmt = W.fmt == kInt4 && W.int4_int ? kInt4i : W.fmt;
+  const int fmt = W.fmt == kInt4 && W.int4_int ? kInt4i : W.fmt == kFp8 && W.fp8_widen ? kFp8w : W.fmt;
   MicroFn fn = get_micro(fmt, R, MT);
   MicroFn fn1 = get_micro(fmt, R, 1);
   float buf[8 * 4];
   int64_t t[4];
+  const uint8_t* first = W.w + n0 * W.row_bytes;  // the sweep's first tile: next for a later token group
+  if (!next) next = W.w + n1 * W.row_bytes;      // default: the rows after the sweep
   for (int64_t m0 = 0; m0 < M; m0 += MT) {
     const int64_t mt = std::min<int64_t>(MT, M - m0);
     MicroFn f = mt == MT ? fn : fn1;
     const int64_t step = mt == MT ? MT : 1;
     for (int64_t mm = m0; mm < m0 + mt; mm += step) {
       for (int64_t j = 0; j < step; ++j) t[j] = tok[mm + j];
+      const bool last_group = mm + step >= M;
       for (int64_t r0 = n0; r0 < n1; r0 += R) {
-        f(W, r0, A, t, buf);
+        const uint8_t* nx = r0 + R < n1 ? W.w + (r0 + R) * W.row_bytes : last_group ? next : first;
+        f(W, r0, A, t, buf, nx);
         const int64_t nr = std::min<int64_t>(R, n1 - r0);
         for (int64_t j = 0; j < step; ++j)
           for (int64_t r = 0; r < nr; ++r) out[(mm + j - 0) * ldo + (r0 - n0) + r] = buf[j * R + r];
@@ -215,10 +234,10 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
                const Knobs& kn, bool parallel) {
   const int64_t bn = ((kn.block_n + kn.micro_rows - 1) / kn.micro_rows) * kn.micro_rows;
   const int64_t tiles = (W.N + bn - 1) / bn;
-#pragma omp parallel for schedule(dynamic, 1) if (parallel && tiles > 1)
+#pragma omp parallel for schedule(dynamic, kn.task_chunk) if (parallel && tiles > 1)
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n0 = t * bn, n1 = std::min(W.N, n0 + bn);
-    micro_sweep(W, A, tok, M, n0, n1, out + n0, ldo, kn);
+    micro_sweep(W, A, tok, M, n0, n1, out + n0, ldo, kn, nullptr);  // next: the following task's rows
   }
 }
 
@@ -285,7 +304,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const Knobs kn = make_knobs(knobs);
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
-  if (M >= kn.gemm_min_tokens) W.int4_int = false;  // the GEMM path multiplies float activations only
+  if (M >= kn.gemm_min_tokens) W.int4_int = W.fp8_widen = false;  // the GEMM path multiplies float activations only
   PreparedAct p = prepare_act(x, W);
   if (M >= kn.gemm_min_tokens) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);

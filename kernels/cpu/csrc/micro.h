@@ -14,12 +14,16 @@ struct Act {
   const float* xs = nullptr;
   const float* gsum = nullptr;
   const float* gsumq = nullptr;  // INT4 integer path: per-group sums of the int16 activations
+  const float* xp = nullptr;     // FP8 widen path: float rows × 2^60, permuted per 64 (fp8_widen_order)
   int64_t ld = 0, gld = 0;
 };
 
 // out[m * R + r] = Σ_k x[tok[m], k] · W[r0 + r, k] (real values). Rows past N repeat the last
-// row (the caller drops them); tok holds MT activation-row indices.
-using MicroFn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t* tok, float* out);
+// row (the caller drops them); tok holds MT activation-row indices. `next`: the row tile the caller
+// reads after this one (row r at next + r · row_bytes, same row length), prefetched while this one
+// is read.
+using MicroFn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t* tok, float* out,
+                         const uint8_t* next);
 
 MicroFn get_micro(int fmt, int rows, int tokens);  // nullptr for an unsupported combination
 // One translation unit per format instantiates its microkernels (parallel compilation).
@@ -29,6 +33,7 @@ MicroFn get_micro_int8(int rows, int tokens);
 MicroFn get_micro_fp8(int rows, int tokens);
 MicroFn get_micro_int4(int rows, int tokens);
 MicroFn get_micro_int4i(int rows, int tokens);
+MicroFn get_micro_fp8w(int rows, int tokens);
 
 // Bytes of one weight row holding k elements, per format.
 template <int F>
@@ -36,18 +41,25 @@ constexpr int64_t row_offset(int64_t k) {
   return F == kF32 ? k * 4 : F == kBF16 ? k * 2 : F == kInt4 ? k / 2 : k;
 }
 
-// Software prefetch of the next register tile's rows (the R rows after this tile's, contiguous in a
-// row-major weight) at the position this tile is reading: short rows (INT8/FP8/INT4 at K ≈ 2K) start a
-// new hardware-prefetch stream every row tile and would otherwise wait for DRAM at each start.
+// Software prefetch of the next register tile's row (at the position this tile is reading): short
+// rows (INT8/FP8/INT4 at K ≈ 2K) would otherwise start a new hardware-prefetch stream every tile, and
+// the hardware streams stop at every 4 KiB page. The caller names the next tile, so the jump to
+// another matrix or expert (gate → up, expert → expert, task → task) is prefetched too.
+// One prefetch per 64-byte line: a step reading less than a line (INT8/FP8: 32 bytes, INT4: 16 or 32)
+// skips the others, as a prefetch that finds its line already in flight still takes a fill-buffer
+// lookup, and those stall once every buffer is busy (measured: INT4 `small` 2.95 → see docs).
 template <int F>
-inline void prefetch_next_tile(const uint8_t* row, int64_t tile_bytes, int64_t k) {
-  const char* p = reinterpret_cast<const char*>(row + tile_bytes + row_offset<F>(k));
+inline void prefetch_row(const uint8_t* next_row, int64_t k) {
+  const int64_t off = row_offset<F>(k);
+  if (off & 63) return;
+  const char* p = reinterpret_cast<const char*>(next_row + off);
   _mm_prefetch(p, _MM_HINT_T0);
   if constexpr (F == kF32) _mm_prefetch(p + 64, _MM_HINT_T0);
 }
 
 template <int F, int R, int MT>
-void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
+void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
   const uint8_t* row[R];
   const float* srow[R];  // this row's scales (FP8: its block row's), hoisted out of the K loop
   const float* zrow[R];
@@ -59,7 +71,8 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     if constexpr (F == kFp8) srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
     if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero + rr * W.scale_ld;
   }
-  const int64_t tile_bytes = R * W.row_bytes;
+  const uint8_t* nrow[R];
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) x[m] = A.xf + tok[m] * A.ld;
   __m512 acc[R][MT];
@@ -81,7 +94,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512 a, b;
-        prefetch_next_tile<F>(row[r], tile_bytes, k);
+        prefetch_row<F>(nrow[r], k);
         Loader<F>::load(W, row[r], k, ke - k, a, b);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; ++m) part[r][m] = _mm512_fmadd_ps(b, xb[m], _mm512_fmadd_ps(a, xa[m], part[r][m]));
@@ -110,11 +123,14 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 // INT8 weights × int16 activations (per-token quantized, |q| ≤ 127): vpmaddwd sums adjacent
 // products exactly into int32; the result is scaled by the token's and the row's scales.
 template <int R, int MT>
-void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
+void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                const uint8_t* next) {
   const int8_t* row[R];
   const int16_t* x[MT];
   for (int r = 0; r < R; ++r) row[r] = (const int8_t*)(W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes);
   for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
+  const uint8_t* nrow[R];
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
   __m512i acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
@@ -126,7 +142,7 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
     const bool full = k + 32 <= K;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      prefetch_next_tile<kInt8>(reinterpret_cast<const uint8_t*>(row[r]), R * W.row_bytes, k);
+      prefetch_row<kInt8>(nrow[r], k);
       __m256i b = full ? _mm256_loadu_si256((const __m256i*)(row[r] + k))
                        : _mm256_maskz_loadu_epi8(tail_mask32(K - k), row[r] + k);
       __m512i w = _mm512_cvtepi8_epi16(b);
@@ -144,10 +160,13 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
 // INT4 weights × int16 activations (per-token quantized to ±32767, stored per 64 elements in the
 // order [0–15, 32–47, 16–31, 48–63] so that 32 packed bytes, widened to 32 int16 lanes, give the low
 // nibbles against the first half and the high nibbles against the second): vpmaddwd products summed
-// exactly in int32 per scale group, converted once per group and scaled; the zero point subtracted
-// through the group sums of the int16 activations. Half the instructions of the float path per weight.
+// exactly in int32 per scale group, converted once per group and scaled. The zero point is
+// subtracted once per row at the end, Σ_g scale·zero·(group sum of the int16 activations), as a
+// vector dot product over the groups. The next tile's scale and zero rows are prefetched with its
+// weights (they are separate short streams the hardware does not follow).
 template <int R, int MT>
-void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out) {
+void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
   const uint8_t* row[R];
   const float* srow[R];
   const float* zrow[R];
@@ -159,13 +178,22 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     zrow[r] = W.zero + rr * W.scale_ld;
   }
   for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
-  const int64_t tile_bytes = R * W.row_bytes, gsz = W.group, kend = ((W.K + gsz - 1) / gsz) * gsz;
+  const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
+  const uint8_t* nrow[R];
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  {  // the next tile's scale / zero rows, when it is the next rows of this matrix
+    const float* ns = W.scale + (r0 + R) * W.scale_ld;
+    const float* nz = W.zero + (r0 + R) * W.scale_ld;
+    for (int64_t o = 0; o < R * W.scale_ld; o += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
+    }
+  }
   const __m512i nib = _mm512_set1_epi16(0x0F);
   __m512 acc[R][MT];
-  float corr[R][MT];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) { acc[r][m] = _mm512_setzero_ps(); corr[r][m] = 0.f; }
-  for (int64_t kb = 0, g = 0; kb < kend; kb += gsz, ++g) {
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0, kb = 0; g < G; ++g, kb += gsz) {
     __m512i part[R][MT];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m) part[r][m] = _mm512_setzero_si512();
@@ -178,7 +206,7 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_next_tile<kInt4>(row[r], tile_bytes, k);
+        prefetch_row<kInt4>(nrow[r], k);
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row[r] + k / 2)));
         const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_srli_epi16(v, 4);
 #pragma GCC unroll 4
@@ -189,15 +217,97 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float s = srow[r][g], z = zrow[r][g];
-      for (int m = 0; m < MT; ++m) {
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), _mm512_set1_ps(s), acc[r][m]);
-        corr[r][m] += s * z * A.gsumq[tok[m] * A.gld + g];
-      }
+      const __m512 sv = _mm512_set1_ps(srow[r][g]);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), sv, acc[r][m]);
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      const float* gq = A.gsumq + tok[m] * A.gld;
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 mk = tail_mask16(G - g);
+        c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
+                            _mm512_maskz_loadu_ps(mk, gq + g), c);
+      }
+      out[m * R + r] = (hsum(acc[r][m]) - hsum(c)) * A.xs[tok[m]];
+    }
+}
+
+// FP8 E4M3 by 16-bit lanes ("widen"): 64 weight bytes are interleaved with zero bytes (vpunpck*bw),
+// putting each byte in the high half of a 16-bit lane; an arithmetic shift by 4 and a mask leave
+// bfloat16 bits whose exponent field is the E4M3 exponent unchanged, i.e. the exact value × 2^-120
+// (±0 stays ±0; NaN reads as 480 as in the other methods). E4M3 denormals become float32 denormals,
+// which the FMA units take through a microcode assist (measured: 12× slower on random bytes), so the
+// kernel runs with MXCSR.DAZ set and reads them as zero: an error below 2^-6 of a quantization unit
+// (|w| < block max / 28672), the "no denormal handling" the format allows. The two bfloat16 halves of each 32-bit lane become float32 by a shift
+// (low half) and a mask (high half). That is 5 integer instructions per 32 weights instead of 10,
+// and one shuffle instead of four. The lane order this produces is fixed per 64 elements, so the
+// activations are permuted the same way once per call (fp8_widen_order) and scaled by 2^60; the
+// block's partial sum is scaled by its block scale × 2^60. Products stay normal floats unless
+// |weight · activation| < 2^-66 of a block scale unit; activations must stay below 2^67.
+constexpr float kFp8WidenActScale = 0x1p60f, kFp8WidenOutScale = 0x1p60f;
+
+// Position in a 64-element chunk of the activation that float32 lane p of vector v (0..3) meets.
+constexpr int fp8_widen_order(int v, int p) { return 16 * (p / 4) + 2 * (p % 4) + (v & 1) + 8 * (v >> 1); }
+
+template <int R, int MT>
+void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                const uint8_t* next) {
+  const uint8_t* row[R];
+  const float* srow[R];
+  const float* x[MT];
+  for (int r = 0; r < R; ++r) {
+    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+    row[r] = W.w + rr * W.row_bytes;
+    srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
+  }
+  for (int m = 0; m < MT; ++m) x[m] = A.xp + tok[m] * A.ld;
+  const int64_t K = W.K, gsz = W.group;
+  const uint8_t* nrow[R];
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  const __m512i zero = _mm512_setzero_si512(), keep = _mm512_set1_epi32((int)0x87F087F0u),
+                hi = _mm512_set1_epi32((int)0xFFFF0000u);
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x0040);  // DAZ: denormal inputs read as zero, no assist
+  for (int64_t kb = 0, g = 0; kb < K; kb += gsz, ++g) {
+    const int64_t ke = kb + gsz < K ? kb + gsz : K;
+    __m512 part[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) part[r][m] = _mm512_setzero_ps();
+    for (int64_t k = kb; k < ke; k += 64) {
+      __m512 xv[MT][4];
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m)
+        for (int v = 0; v < 4; ++v) xv[m][v] = _mm512_loadu_ps(x[m] + k + 16 * v);
+      const bool full = k + 64 <= K;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        prefetch_row<kFp8>(nrow[r], k);
+        const __m512i b = full ? _mm512_loadu_si512((const void*)(row[r] + k))
+                               : _mm512_maskz_loadu_epi8((__mmask64)((~0ull) >> (64 - (K - k))), row[r] + k);
+        const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, b), 4), keep);
+        const __m512i up = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, b), 4), keep);
+        const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), w1 = _mm512_castsi512_ps(_mm512_and_si512(lo, hi));
+        const __m512 w2 = _mm512_castsi512_ps(_mm512_slli_epi32(up, 16)), w3 = _mm512_castsi512_ps(_mm512_and_si512(up, hi));
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m)
+          part[r][m] = _mm512_fmadd_ps(w3, xv[m][3], _mm512_fmadd_ps(w2, xv[m][2],
+                       _mm512_fmadd_ps(w1, xv[m][1], _mm512_fmadd_ps(w0, xv[m][0], part[r][m]))));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(srow[r][g] * kFp8WidenOutScale);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
+    }
+  }
+  _mm_setcsr(csr);
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) out[m * R + r] = (hsum(acc[r][m]) - corr[r][m]) * A.xs[tok[m]];
+    for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }
 
 // The (rows, tokens) instantiations of one format: rows 4 or 8, tokens 1, 2 or 4.
@@ -207,6 +317,8 @@ MicroFn pick_tokens(int tokens) {
     switch (tokens) { case 1: return micro_int8<R, 1>; case 2: return micro_int8<R, 2>; case 4: return micro_int8<R, 4>; }
   } else if constexpr (F == kInt4i) {
     switch (tokens) { case 1: return micro_int4i<R, 1>; case 2: return micro_int4i<R, 2>; case 4: return micro_int4i<R, 4>; }
+  } else if constexpr (F == kFp8w) {
+    switch (tokens) { case 1: return micro_fp8w<R, 1>; case 2: return micro_fp8w<R, 2>; case 4: return micro_fp8w<R, 4>; }
   } else {
     switch (tokens) { case 1: return micro_float<F, R, 1>; case 2: return micro_float<F, R, 2>; case 4: return micro_float<F, R, 4>; }
   }

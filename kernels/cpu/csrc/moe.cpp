@@ -57,26 +57,30 @@ at::Tensor gathered_scales(const PreparedAct& p, const int64_t* rows, int64_t n)
   return p.xs.index_select(0, idx);
 }
 
-// Phase 1 for one (expert, intermediate tile [i0, i1)): h[slot, i] = SiLU(gate) · up.
+// Phase 1 for one (expert, intermediate tile [i0, i1)): h[slot, i] = SiLU(gate) · up. `next`: the
+// first gate row of the task this thread likely takes next (prefetched at the end of the up rows).
 void gate_up_tile(const WeightView& W, const Act& A, const int64_t* tok, int64_t n, int64_t I, int64_t i0,
-                  int64_t i1, float* h, const Knobs& kn) {
+                  int64_t i1, float* h, const Knobs& kn, const uint8_t* next) {
   const int64_t w = i1 - i0;
   std::vector<float> gate(n * w), up(n * w);
-  micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, kn);
-  micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, kn);
+  micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, kn, W.w + (I + i0) * W.row_bytes);
+  micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, kn, next);
   for (int64_t m = 0; m < n; ++m)
     for (int64_t i = 0; i < w; ++i) h[m * I + i0 + i] = silu(gate[m * w + i]) * up[m * w + i];
 }
 
 // Phase 2 for one output tile [d0, d1) over every small expert: out[tok, d] += w · down(h)[d].
+// Each expert's rows prefetch the next expert's; the last, the next tile's first expert.
 void down_tile(const StackedWeight& W2, const Act& H, const Routing& r, const std::vector<int64_t>& experts,
                int64_t d0, int64_t d1, float* out, int64_t D, const Knobs& kn) {
   const int64_t w = d1 - d0;
   std::vector<float> y;
-  for (int64_t e : experts) {
-    const int64_t n = r.count[e], off = r.offset[e];
+  for (size_t j = 0; j < experts.size(); ++j) {
+    const int64_t e = experts[j], n = r.count[e], off = r.offset[e];
+    const uint8_t* next = j + 1 < experts.size() ? W2.expert(experts[j + 1]).w + d0 * W2.base.row_bytes
+                                                 : W2.expert(experts[0]).w + d1 * W2.base.row_bytes;
     y.resize(n * w);
-    micro_sweep(W2.expert(e), H, r.slot_idx.data() + off, n, d0, d1, y.data(), w, kn);
+    micro_sweep(W2.expert(e), H, r.slot_idx.data() + off, n, d0, d1, y.data(), w, kn, next);
     for (int64_t m = 0; m < n; ++m) {
       float* o = out + r.slot_tok[off + m] * D + d0;
       const float s = r.slot_w[off + m];
@@ -127,10 +131,12 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
     if (r.count[e] > 0) (r.count[e] >= kn.gemm_min_tokens ? large : small).push_back(e);
 
   // phase 1: h [P, I]
-  // INT4's int16 activations only where a microkernel will read them (some expert below the GEMM size)
+  // INT4's int16 (FP8 widen: permuted) activations only where a microkernel will read them (some expert below the GEMM size)
   WeightView xw = W13.base, hw = W2.base;
   xw.int4_int &= !small.empty();
   hw.int4_int &= !small.empty();
+  xw.fp8_widen &= !small.empty();
+  hw.fp8_widen &= !small.empty();
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);
@@ -139,11 +145,13 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
     gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
   const int64_t bn = kn.moe_block_n, itiles = (I + bn - 1) / bn;
   const int64_t tasks1 = (int64_t)small.size() * itiles;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, kn.task_chunk)
   for (int64_t t = 0; t < tasks1; ++t) {
     const int64_t e = small[t / itiles], i0 = (t % itiles) * bn;
+    const int64_t tn = std::min(t + 1, tasks1 - 1), en = small[tn / itiles];  // the next task (chunks: this thread's)
+    const uint8_t* next = W13.expert(en).w + ((tn % itiles) * bn) * W13.base.row_bytes;
     gate_up_tile(W13.expert(e), A, r.slot_tok.data() + r.offset[e], r.count[e], I, i0, std::min(I, i0 + bn),
-                 hp + r.offset[e] * I, kn);
+                 hp + r.offset[e] * I, kn, next);
   }
 
   // phase 2: out [T, D]
@@ -153,7 +161,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   float* op = out.data_ptr<float>();
   const int64_t dtiles = (D + bn - 1) / bn;
   if (!small.empty()) {
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, kn.task_chunk)
     for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn, std::min(D, (t + 1) * bn), op, D, kn);
   }
   for (int64_t e : large) down_gemm(W2.expert(e), ha, r, e, I, out, kn);

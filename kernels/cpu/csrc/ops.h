@@ -34,7 +34,7 @@ Knobs make_knobs(const std::vector<int64_t>& k);
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
 // quantized rows + scales. Owns its buffers.
 struct PreparedAct {
-  at::Tensor xf, xq, xs, gsum, gsumq;
+  at::Tensor xf, xq, xs, gsum, gsumq, xp;
   Act view() const;
 };
 PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
@@ -45,8 +45,10 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
                const Knobs& kn, bool parallel);
 // One microkernel sweep over rows [n0, n1) for tokens tok[0..M): out[m * ldo + (n - n0)].
+// next: the first row the caller reads after the sweep (same row length), prefetched during its
+// last tile; nullptr: row n1 of W.
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo, const Knobs& kn);
+                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next);
 // x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
 

@@ -1,6 +1,8 @@
 // Small fused ops. RMSNorm and residual-add + RMSNorm, rounding like the reference: the normalized
 // value is cast to the input dtype before the weight multiplies it (both in that dtype). RoPE.
+#include <sys/mman.h>
 #include <cmath>
+#include <cstdlib>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -75,6 +77,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     }
   });
   return out.to(x.scalar_type());
+}
+
+// Uninitialized uint8 storage of `nbytes`, 2 MiB aligned and advised for transparent huge pages
+// (MADV_HUGEPAGE; THP "madvise" mode is the common default): weights streamed from DRAM then cost
+// one TLB entry per 2 MiB instead of per 4 KiB. Where the kernel refuses the advice the memory is
+// still valid, with small pages. Freed with the tensor.
+at::Tensor huge_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "huge_empty: negative size");
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t size = std::max<size_t>(kHuge, (size_t(nbytes) + kHuge - 1) / kHuge * kHuge);
+  void* p = std::aligned_alloc(kHuge, size);
+  TORCH_CHECK(p, "huge_empty: out of memory allocating ", size, " bytes");
+  madvise(p, size, MADV_HUGEPAGE);  // advice only: an error leaves ordinary pages
+  return at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
 }
 
 }  // namespace moetune
