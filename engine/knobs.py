@@ -148,6 +148,9 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
          "CPU linear / fused MoE: consecutive parallel tasks a thread takes at once (1: fully dynamic; "
          "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
          "has already fetched)", low=1, high=64, log=True),
+    Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert), BF16 and INT8 weights: from this many rows the "
+         "GEMM runs on AMX tiles where the CPU has AMX (inert elsewhere)", low=1, high=4096, log=True),
     Knob("cpu_huge_pages", bool, True, "kernels/cpu",
          "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
          "transparent huge pages (fewer TLB misses while streaming experts from DRAM)",

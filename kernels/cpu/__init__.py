@@ -35,6 +35,7 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_fp8_method": "widen",
     "cpu_int4_method": "int16",
     "cpu_task_chunk": 1,
+    "cpu_amx_min_tokens": 32,
     "cpu_attn_head_fold": 128,
     "cpu_attn_kv_splits": 8,
     "cpu_attn_decode_kv_block": 64,
@@ -76,7 +77,8 @@ def _knob_vector(overrides: dict | None) -> list[int]:
     k = _merged(overrides)
     return [int(k["cpu_micro_rows"]), int(k["cpu_micro_tokens"]), int(k["cpu_linear_block_n"]),
             int(k["cpu_moe_block_n"]), int(k["cpu_gemm_min_tokens"]), int(k["cpu_gemm_block_n"]),
-            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]], int(k["cpu_task_chunk"])]
+            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]], int(k["cpu_task_chunk"]),
+            int(k["cpu_amx_min_tokens"])]
 
 
 # ---------------------------------------------------------------- weights
@@ -162,6 +164,12 @@ def _orig(weight):
 
 
 # ---------------------------------------------------------------- ops
+
+
+def amx_status() -> str:
+    """Why the AMX tiles cannot run on this machine ("" when they can: then BF16 / INT8 GEMMs of at
+    least cpu_amx_min_tokens rows use them)."""
+    return _ext.amx_status()
 
 
 def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:

@@ -12,6 +12,9 @@ double read_seconds_streams(const at::Tensor& buf, int64_t streams, int64_t pref
 double fma_gflops(int64_t iters);
 double int16_madd_gops(int64_t iters);
 at::Tensor huge_empty(int64_t nbytes);
+std::string amx_status();
+at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                          bool emulate);
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
                        const at::Tensor& slots, std::vector<int64_t> knobs);
@@ -33,5 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same read as interleaved streams per thread with software prefetch (the kernels' pattern)");
   m.def("fma_gflops", &moetune::fma_gflops);
   m.def("int16_madd_gops", &moetune::int16_madd_gops);
+  m.def("amx_status", &moetune::amx_status, "why AMX tiles cannot run here; empty when they can");
+  m.def("amx_linear_raw", &moetune::amx_linear_raw,
+        "x_act float32 [M, K] · w[N, K]ᵀ (bf16 or int8 bytes) on AMX tiles, or their C++ emulation; raw products");
   m.def("huge_empty", &moetune::huge_empty, "uninitialized uint8 [nbytes], 2 MiB aligned, advised for huge pages");
 }

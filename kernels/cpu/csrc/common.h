@@ -43,6 +43,7 @@ struct Knobs {
   int fp8_method = kFp8Vector;
   int int4_method = kInt4Int16;  // INT4 with group % 64 == 0: integer products (or float, as other groups)
   int task_chunk = 1;        // consecutive parallel tasks a thread takes at once (OpenMP dynamic chunk)
+  int amx_min_tokens = 32;   // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
 };
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }

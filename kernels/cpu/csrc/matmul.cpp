@@ -68,7 +68,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 }
 
 Knobs make_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 9, "expected 9 knob values");
+  TORCH_CHECK(k.size() == 10, "expected 10 knob values");
   Knobs kn;
   kn.micro_rows = (int)k[0];
   kn.micro_tokens = (int)k[1];
@@ -79,6 +79,7 @@ Knobs make_knobs(const std::vector<int64_t>& k) {
   kn.fp8_method = (int)k[6];
   kn.int4_method = (int)k[7];
   kn.task_chunk = (int)std::max<int64_t>(1, k[8]);
+  kn.amx_min_tokens = (int)std::max<int64_t>(1, k[9]);
   TORCH_CHECK(get_micro(kBF16, kn.micro_rows, kn.micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   return kn;
 }
@@ -279,6 +280,7 @@ void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
 }
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
+  if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) return gemm_amx(x_act, W, false);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   at::Tensor buf = at::empty({std::min(bn, W.N), W.K}, at::kFloat);
@@ -304,9 +306,10 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const Knobs kn = make_knobs(knobs);
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
-  if (M >= kn.gemm_min_tokens) W.int4_int = W.fp8_widen = false;  // the GEMM path multiplies float activations only
+  const bool gemm = M >= gemm_from(W.fmt, kn);
+  if (gemm) W.int4_int = W.fp8_widen = false;  // the GEMM path multiplies float activations only
   PreparedAct p = prepare_act(x, W);
-  if (M >= kn.gemm_min_tokens) {
+  if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));
     return out;

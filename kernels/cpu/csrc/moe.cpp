@@ -1,8 +1,8 @@
 // Fused MoE: tokens grouped by expert; phase 1 computes SiLU(gate)·up per (expert, intermediate
 // tile) task, phase 2 the down projection per output (D) tile over every expert, accumulating the
 // routing-weighted sum in place (a tile is owned by one task, so no atomics). One barrier between
-// the phases, none per expert. Experts with many tokens (≥ gemm_min_tokens) take the unpack + BLAS
-// path instead, one expert at a time with all threads.
+// the phases, none per expert. Experts with many tokens (≥ gemm_min_tokens, or ≥ amx_min_tokens where
+// AMX runs) take the GEMM path instead (AMX tiles, or unpack + BLAS), one expert at a time with all threads.
 #include <omp.h>
 #include <cmath>
 #include "ops.h"
@@ -128,7 +128,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
 
   std::vector<int64_t> small, large;
   for (int64_t e = 0; e < E; ++e)
-    if (r.count[e] > 0) (r.count[e] >= kn.gemm_min_tokens ? large : small).push_back(e);
+    if (r.count[e] > 0) (r.count[e] >= gemm_from((int)fmt, kn) ? large : small).push_back(e);
 
   // phase 1: h [P, I]
   // INT4's int16 (FP8 widen: permuted) activations only where a microkernel will read them (some expert below the GEMM size)

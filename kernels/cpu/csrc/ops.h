@@ -8,6 +8,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/zeros.h>
+#include <string>
 #include <vector>
 #include "micro.h"
 
@@ -51,6 +52,16 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next);
 // x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
+
+// AMX (amx.cpp): why the tiles cannot run here ("" when they can); whether a format takes them;
+// the GEMM on them (emulate: the same kernel on a C++ model of the tile instructions).
+const std::string& amx_unavailable();
+bool amx_usable(int fmt);
+at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
+// From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
+inline int64_t gemm_from(int fmt, const Knobs& kn) {
+  return amx_usable(fmt) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
+}
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,

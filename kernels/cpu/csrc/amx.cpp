@@ -1,0 +1,284 @@
+// AMX GEMM (Sapphire Rapids and later): BF16 weights × bf16 activations (TDPBF16PS, float32
+// accumulation) and INT8 weights × int8 activations (TDPBSSD, exact int32 accumulation; our per-token
+// activation quantization is symmetric, so signed × signed needs no compensation term).
+//
+// C[M, N] = A[M, K] · W[N, K]ᵀ with W in its checkpoint layout. Per parallel task, one block of 32
+// weight rows is packed once into B tiles (each 16 × 64-byte tile row holds, for 16 output rows, the
+// 4 bytes of W at one K position: a 16 × 16 transpose of 32-bit units) and then serves every 32-row
+// block of A: 2 × 2 accumulator tiles (tmm0–3), two A tiles (tmm4–5) and two B tiles (tmm6–7). M, N
+// and K are zero-padded to whole tiles. The packing is per call, like the unpack + BLAS path's, so it
+// pays off from a few dozen rows on; the engine chooses AMX from `cpu_amx_min_tokens` rows.
+//
+// The same kernel is instantiated twice: on the tile instructions (compiled here with a function
+// target attribute, executed only where cpuid reports AMX and Linux grants the tile state), and on a
+// plain C++ emulation of the same tile registers and instructions, so that the packing, the
+// blocking and the tails are tested on every machine (tests/test_amx.py).
+#include <cpuid.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstring>
+#include <string>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include "ops.h"
+
+namespace moetune {
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig full_tiles() {  // every tile 16 rows × 64 bytes
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  return c;
+}
+
+#define MOETUNE_AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
+
+// GCC's tile intrinsics paste the register number into the instruction text, so each takes a
+// literal: the template parameter selects one of the literal forms.
+#define MOETUNE_TILE_CASES(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+struct AmxHw {
+  MOETUNE_AMX static void config(const TileConfig* c) { _tile_loadconfig(c); }
+  MOETUNE_AMX static void release() { _tile_release(); }
+  template <int T> MOETUNE_AMX static void zero() {
+#define MOETUNE_Z(i) if constexpr (T == i) _tile_zero(i);
+    MOETUNE_TILE_CASES(MOETUNE_Z)
+#undef MOETUNE_Z
+  }
+  template <int T> MOETUNE_AMX static void load(const void* p, int64_t stride) {
+#define MOETUNE_L(i) if constexpr (T == i) _tile_loadd(i, p, stride);
+    MOETUNE_TILE_CASES(MOETUNE_L)
+#undef MOETUNE_L
+  }
+  template <int T> MOETUNE_AMX static void store(void* p, int64_t stride) {
+#define MOETUNE_S(i) if constexpr (T == i) _tile_stored(i, p, stride);
+    MOETUNE_TILE_CASES(MOETUNE_S)
+#undef MOETUNE_S
+  }
+  // accumulators 0–3 against A tiles 4–5 and B tiles 6–7: the four products of the 2 × 2 block
+  template <int C, int A, int B> MOETUNE_AMX static void dp_bf16() {
+    static_assert(C == 2 * (A - 4) + (B - 6), "the 2 × 2 block's (C, A, B) triples only");
+    if constexpr (C == 0) _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C == 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (C == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (C == 3) _tile_dpbf16ps(3, 5, 7);
+  }
+  template <int C, int A, int B> MOETUNE_AMX static void dp_int8() {
+    static_assert(C == 2 * (A - 4) + (B - 6), "the 2 × 2 block's (C, A, B) triples only");
+    if constexpr (C == 0) _tile_dpbssd(0, 4, 6);
+    if constexpr (C == 1) _tile_dpbssd(1, 4, 7);
+    if constexpr (C == 2) _tile_dpbssd(2, 5, 6);
+    if constexpr (C == 3) _tile_dpbssd(3, 5, 7);
+  }
+};
+
+// The tile registers and the three instructions as the ISA reference defines them (16 rows × 64
+// bytes; TDPBF16PS: C.fp32[m][n] += A.bf16[m][2k]·B.bf16[k][2n] + A.bf16[m][2k+1]·B.bf16[k][2n+1];
+// TDPBSSD: C.int32[m][n] += Σ_j A.s8[m][4k+j]·B.s8[k][4n+j]).
+struct AmxEmu {
+  static inline thread_local uint8_t reg[8][16][64];
+  static void config(const TileConfig*) { std::memset(reg, 0, sizeof(reg)); }
+  static void release() {}
+  template <int T> static void zero() { std::memset(reg[T], 0, sizeof(reg[T])); }
+  template <int T> static void load(const void* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64);
+  }
+  template <int T> static void store(void* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64);
+  }
+  static float bf(const uint8_t* p) {
+    uint32_t u = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  template <int C, int A, int B> static void dp_bf16() {
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        float c;
+        std::memcpy(&c, &reg[C][m][4 * n], 4);
+        for (int k = 0; k < 16; ++k) {
+          c += bf(&reg[A][m][4 * k]) * bf(&reg[B][k][4 * n]);
+          c += bf(&reg[A][m][4 * k + 2]) * bf(&reg[B][k][4 * n + 2]);
+        }
+        std::memcpy(&reg[C][m][4 * n], &c, 4);
+      }
+  }
+  template <int C, int A, int B> static void dp_int8() {
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        int32_t c;
+        std::memcpy(&c, &reg[C][m][4 * n], 4);
+        for (int k = 0; k < 16; ++k)
+          for (int j = 0; j < 4; ++j) c += (int8_t)reg[A][m][4 * k + j] * (int8_t)reg[B][k][4 * n + j];
+        std::memcpy(&reg[C][m][4 * n], &c, 4);
+      }
+  }
+};
+
+// Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
+// B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
+// at byte offset 64·kt + 4·kk of that row (zeros past N or past the row's data).
+void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes, uint8_t* dst) {
+  const int64_t ktiles = kbytes / 64;
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t row = n0 + 16 * h + n;
+      const uint8_t* src = row < W.N ? W.w + row * W.row_bytes : nullptr;
+      for (int64_t kt = 0; kt < ktiles; ++kt) {
+        uint8_t* tile = dst + (kt * 2 + h) * 1024;
+        for (int64_t kk = 0; kk < 16; ++kk) {
+          const int64_t off = 64 * kt + 4 * kk;
+          uint8_t* d = tile + kk * 64 + 4 * n;
+          if (src && off + 4 <= data_bytes) {
+            std::memcpy(d, src + off, 4);
+          } else {
+            for (int64_t j = 0; j < 4; ++j) d[j] = src && off + j < data_bytes ? src[off + j] : 0;
+          }
+        }
+      }
+    }
+}
+
+template <class T, bool Int8>
+void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView& W, int64_t data_bytes,
+                float* out, int64_t M) {
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
+    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    alignas(64) int32_t c[4][16 * 16];
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
+        T::template zero<0>();
+        T::template zero<1>();
+        T::template zero<2>();
+        T::template zero<3>();
+        const uint8_t* a0 = a + m0 * kbytes;
+        const uint8_t* a1 = a0 + 16 * kbytes;
+        for (int64_t kt = 0; kt < ktiles; ++kt) {
+          T::template load<4>(a0 + 64 * kt, kbytes);
+          T::template load<5>(a1 + 64 * kt, kbytes);
+          T::template load<6>(b + (kt * 2) * 1024, 64);
+          T::template load<7>(b + (kt * 2 + 1) * 1024, 64);
+          if constexpr (Int8) {
+            T::template dp_int8<0, 4, 6>();
+            T::template dp_int8<1, 4, 7>();
+            T::template dp_int8<2, 5, 6>();
+            T::template dp_int8<3, 5, 7>();
+          } else {
+            T::template dp_bf16<0, 4, 6>();
+            T::template dp_bf16<1, 4, 7>();
+            T::template dp_bf16<2, 5, 6>();
+            T::template dp_bf16<3, 5, 7>();
+          }
+        }
+        T::template store<0>(c[0], 64);
+        T::template store<1>(c[1], 64);
+        T::template store<2>(c[2], 64);
+        T::template store<3>(c[3], 64);
+        for (int q = 0; q < 4; ++q) {  // tile q: rows m0 + 16·(q / 2), columns nb·32 + 16·(q % 2)
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t m = m0 + 16 * (q / 2) + i;
+            if (m >= M) break;
+            for (int64_t j = 0; j < 16; ++j) {
+              const int64_t n = nb * 32 + 16 * (q % 2) + j;
+              if (n >= N) break;
+              float v;
+              if constexpr (Int8) v = (float)c[q][i * 16 + j];
+              else std::memcpy(&v, &c[q][i * 16 + j], 4);
+              out[m * N + n] = v;
+            }
+          }
+        }
+      }
+    }
+    T::release();
+  }
+}
+
+}  // namespace
+
+const std::string& amx_unavailable() {
+  static const std::string reason = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return std::string("cpuid leaf 7 is absent");
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22), int8 = d & (1u << 25);
+    if (!(tile && bf16 && int8))
+      return std::string("this CPU reports no AMX (cpuid leaf 7 EDX: AMX-TILE/AMX-BF16/AMX-INT8 clear)");
+    // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0)
+      return std::string("the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+    return std::string();
+  }();
+  return reason;
+}
+
+bool amx_usable(int fmt) { return (fmt == kBF16 || fmt == kInt8) && amx_unavailable().empty(); }
+
+// x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
+// the integer sums, the caller applies the scales), on the AMX tiles or their emulation.
+at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) {
+  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "AMX GEMM: BF16 or INT8 weights only");
+  TORCH_CHECK(emulate || amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
+  const bool int8 = W.fmt == kInt8;
+  const int64_t M = x_act.size(0), K = W.K, esz = int8 ? 1 : 2;
+  const int64_t kbytes = ((K * esz + 63) / 64) * 64, mpad = ((M + 31) / 32) * 32;
+  at::Tensor x = x_act.contiguous();
+  // A: rows of kbytes bytes, zero-padded (bf16: round to nearest even, as torch's conversion)
+  at::Tensor abuf = at::zeros({mpad * kbytes}, at::kByte);
+  uint8_t* a = abuf.data_ptr<uint8_t>();
+  const float* xs = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
+    for (int64_t m = s; m < e; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = xs[m * K + k];
+        if (int8) {
+          a[m * kbytes + k] = (uint8_t)(int8_t)v;
+        } else {
+          const uint16_t h = c10::BFloat16(v).x;
+          std::memcpy(a + m * kbytes + 2 * k, &h, 2);
+        }
+      }
+  });
+  at::Tensor out = at::empty({M, W.N}, at::kFloat);
+  const int64_t data_bytes = K * esz;
+  if (emulate) {
+    int8 ? gemm_tiles<AmxEmu, true>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M)
+         : gemm_tiles<AmxEmu, false>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M);
+  } else {
+    int8 ? gemm_tiles<AmxHw, true>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M)
+         : gemm_tiles<AmxHw, false>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M);
+  }
+  return out;
+}
+
+std::string amx_status() { return amx_unavailable(); }
+
+at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                          bool emulate) {
+  TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
+  WeightView W;
+  W.fmt = (int)fmt;
+  W.w = (const uint8_t*)w.data_ptr();
+  W.N = N;
+  W.K = K;
+  W.row_bytes = K * (fmt == kInt8 ? 1 : 2);
+  return gemm_amx(x_act, W, emulate);
+}
+
+}  // namespace moetune
