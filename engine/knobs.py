@@ -151,9 +151,10 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
     Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert), BF16 and INT8 weights: from this many rows the "
          "GEMM runs on AMX tiles where the CPU has AMX (inert elsewhere)", low=1, high=4096, log=True),
-    Knob("cpu_huge_pages", bool, True, "kernels/cpu",
+    Knob("cpu_huge_pages", bool, False, "kernels/cpu",
          "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
-         "transparent huge pages (fewer TLB misses while streaming experts from DRAM)",
+         "transparent huge pages (fewer TLB misses while streaming experts from DRAM; measured both "
+         "faster and slower on a VM, so off unless it helps on the machine)",
          choices=(False, True), tune=False),
     Knob("cpu_attn_head_fold", int, 128, "kernels/cpu",
          "CPU attention decode: query heads sharing a KV head folded into one task's rows (each cache "

@@ -170,6 +170,7 @@ def bench_moe(shape: MoeShape, fmt: str, t: int, repeats: int, g: torch.Generato
     w13 = random_weight((shape.e, 2 * shape.i, shape.d), fmt, g)
     w2 = random_weight((shape.e, shape.d, shape.i), fmt, g)
     p13, p2 = cpu.prepare(w13), cpu.prepare(w2)
+    w13, w2 = getattr(p13, "orig", w13), getattr(p2, "orig", w2)  # the prepared copies: the originals are freed
     x = (torch.randn(t, shape.d, generator=g)).to(torch.bfloat16)
     routes = [(torch.softmax(torch.randn(t, shape.k, generator=g), -1),
                torch.stack([torch.randperm(shape.e, generator=g)[:shape.k] for _ in range(t)]))
@@ -202,6 +203,7 @@ def bench_linear(shape: LinearShape, fmt: str, t: int, repeats: int, g: torch.Ge
 
     w = random_weight((shape.n, shape.k), fmt, g)
     p = cpu.prepare(w)
+    w = getattr(p, "orig", w)
     wd = w.dequantize(torch.bfloat16)
     x = torch.randn(t, shape.k, generator=g).to(torch.bfloat16)
     ours, theirs = alternate(lambda r: cpu.linear(x, p), lambda r: F.linear(x, wd), repeats)

@@ -232,27 +232,27 @@ def test_prepare_weights_wraps_formats_and_keeps_their_attributes():
     assert cpu.prepare(formats.DenseWeight(torch.randn(4, 4, dtype=torch.float16))).w.dtype == torch.float16
 
 
-def test_huge_page_copy_is_aligned_and_equal_and_can_be_turned_off():
+def test_huge_page_copy_is_aligned_and_equal_and_off_by_default():
     big = formats.quantize_int8_channel(torch.randn(4, 1024, 700))  # 2.7 MiB of int8: copied
     small = formats.quantize_int8_channel(torch.randn(64, 64))  # below one huge page: kept
-    p = cpu.prepare(big)
-    assert p.args[1].data_ptr() % (2 << 20) == 0 and p.args[1].data_ptr() != big.w.data_ptr()
-    assert torch.equal(p.orig.w, big.w) and p.orig.w.dtype == torch.int8 and p.orig.scale is big.scale
-    assert cpu.prepare(small).args[1].data_ptr() == small.w.data_ptr()
+    assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()  # default: no copy
     w2 = formats.quantize_int8_channel(torch.randn(4, 700, 1024))
-    tw, ids = routing(3, 4, 2, seed=1)
-    x = torch.randn(3, 700)
-    assert torch.equal(cpu.fused_moe(x, p, cpu.prepare(w2), tw, ids), cpu.fused_moe(x, big, w2, tw, ids))
     fp8 = formats.quantize_fp8_block(torch.randn(2048, 1100))  # the float8 bytes, 2.1 MiB
-    pf = cpu.prepare(fp8)
-    assert pf.orig.w.dtype == torch.float8_e4m3fn and pf.args[1].data_ptr() % (2 << 20) == 0
-    xf = torch.randn(2, 1100)
-    check(cpu.linear(xf, pf), reference.linear(xf, fp8), TIGHT, "fp8 from huge pages")
     try:
-        cpu.configure({"cpu_huge_pages": False})
-        assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()
-    finally:
         cpu.configure({"cpu_huge_pages": True})
+        p = cpu.prepare(big)
+        assert p.args[1].data_ptr() % (2 << 20) == 0 and p.args[1].data_ptr() != big.w.data_ptr()
+        assert torch.equal(p.orig.w, big.w) and p.orig.w.dtype == torch.int8 and p.orig.scale is big.scale
+        assert cpu.prepare(small).args[1].data_ptr() == small.w.data_ptr()
+        tw, ids = routing(3, 4, 2, seed=1)
+        x = torch.randn(3, 700)
+        assert torch.equal(cpu.fused_moe(x, p, cpu.prepare(w2), tw, ids), cpu.fused_moe(x, big, w2, tw, ids))
+        pf = cpu.prepare(fp8)
+        assert pf.orig.w.dtype == torch.float8_e4m3fn and pf.args[1].data_ptr() % (2 << 20) == 0
+        xf = torch.randn(2, 1100)
+        check(cpu.linear(xf, pf), reference.linear(xf, fp8), TIGHT, "fp8 from huge pages")
+    finally:
+        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})
 
 
 def _fp8_every_byte():

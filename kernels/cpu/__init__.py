@@ -43,7 +43,7 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_attn_extend_kv_block": 512,
     "cpu_attn_blas_rows": 32,
     "cpu_attn_blas_kv_block": 256,
-    "cpu_huge_pages": True,
+    "cpu_huge_pages": False,
 }
 ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
               "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_blas_kv_block")
@@ -139,9 +139,10 @@ def _huge_copy(t: torch.Tensor) -> torch.Tensor:
 def prepare(weight):
     """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
 
-    With cpu_huge_pages (default) a weight of at least 2 MiB is first copied into huge-page memory
-    (the wrapper then holds that copy, and the caller's original can be freed): streaming an INT8
-    MoE layer from DRAM measured 7–9 % faster than the same bytes on 4 KiB pages (docs/cpu_kernels.md).
+    With cpu_huge_pages (off by default) a weight of at least 2 MiB is first copied into memory
+    advised for transparent huge pages (the wrapper then holds that copy, and the caller's original
+    can be freed). On this project's VM it measured +8-10 % on a 0.5 GB INT8 MoE layer but -13 to
+    -35 % on a 2.8 GB one (docs/cpu_kernels.md), so it is a per-machine setting.
     """
     args = _pack(weight)
     if args is None or isinstance(weight, Packed):
