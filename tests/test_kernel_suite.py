@@ -35,3 +35,31 @@ def test_attention_rows(monkeypatch):
     assert ext["context"] == 7 and ext["gflops"] * 1e9 * ext["median_s"] == pytest.approx(2 * 16 * 320 * (2 * 5 + 3))
     assert all(r["speedup_vs_torch"] > 0 and r["fraction_of_peak_flops"] > 0 for r in rows)
     assert [json.loads(line)["op"] for line in out.getvalue().splitlines()] == ["mla_decode", "extend"]
+
+
+# ------------------------------------------------------------------ the A/B and row-length tools
+
+
+def test_moe_ab_variants_parse_and_bad_ones_are_refused(capsys):
+    from suites import moe_ab
+
+    assert moe_ab.parse_variant("int8") == ("int8", {})
+    assert moe_ab.parse_variant("fp8:cpu_fp8_method=vector,cpu_moe_block_n=64") == (
+        "fp8", {"cpu_fp8_method": "vector", "cpu_moe_block_n": 64})
+    for bad in ("int3", "int8:cpu_moe_block_n"):
+        with pytest.raises(ValueError):
+            moe_ab.parse_variant(bad)
+    assert moe_ab.main(["--tokens", "0", "int8"]) == 2
+    assert "must be ≥ 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+def test_rowlen_sweep_reads_the_same_bytes_at_each_length(capsys):
+    from suites import rowlen
+
+    rows = rowlen.sweep(["int8", "int4"], [64, 256], mib=1, repeats=2)
+    assert [(r["format"], r["k"]) for r in rows] == [("int8", 64), ("int8", 256), ("int4", 64), ("int4", 256)]
+    assert all(r["median_s"] > 0 and r["p10_s"] <= r["p90_s"] and r["gbps"] > 0 for r in rows)
+    assert {r["row_bytes"] for r in rows if r["format"] == "int4"} == {32, 128}
+    assert "GB/s" in capsys.readouterr().out
+    assert rowlen.main(["--mib", "0"]) == 2

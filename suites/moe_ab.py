@@ -1,0 +1,96 @@
+"""Fused-MoE variants timed in alternation within one process: formats and knob settings side by side.
+
+    python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
+
+A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
+Round r calls every variant once, in order, on the r-th of 8 routings; after 2 warm-up rounds the
+median and p10–p90 of each variant are printed with its GB/s (weight bytes of the experts touched)
+and its speed relative to the first variant. On a shared machine the figures drift between runs,
+but the variants of one run share the drift. That makes this the tool for ratios, such as FP8 vs
+INT8 or one knob value vs another (docs/cpu_kernels.md). Nothing is stored.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {"small": (2048, 1408, 64, 6), "v3": (7168, 2048, 64, 8)}  # D, I, experts allocated, top-k
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    fmt, _, rest = text.partition(":")
+    if fmt not in ("bf16", "int8", "fp8", "int4"):
+        raise ValueError(f"variant {text!r}: format must be bf16, int8, fp8 or int4")
+    knobs = {}
+    for kv in filter(None, rest.split(",")):
+        name, sep, value = kv.partition("=")
+        if not sep:
+            raise ValueError(f"variant {text!r}: expected KNOB=VALUE, got {kv!r}")
+        knobs[name] = int(value) if value.lstrip("-").isdigit() else value
+    return fmt, knobs
+
+
+def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdout) -> list[dict]:
+    import kernels.cpu as cpu
+    from suites.kernels import expert_bytes, random_weight
+    from tuner.fingerprint import fingerprint
+
+    d, i, e, k = SHAPES[shape]
+    parsed = [parse_variant(v) for v in variants]
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    for fmt, _ in parsed:
+        if fmt not in weights:
+            w13 = cpu.prepare(random_weight((e, 2 * i, d), fmt, g))
+            w2 = cpu.prepare(random_weight((e, d, i), fmt, g))
+            weights[fmt] = (w13, w2, expert_bytes(w13, w2))
+    x = torch.randn(tokens, d, generator=g).to(torch.bfloat16)
+    routes = [(torch.softmax(torch.randn(tokens, k, generator=g), -1),
+               torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])) for _ in range(8)]
+    touched = statistics.mean(len(ids.unique()) for _, ids in routes)
+    times: list[list[float]] = [[] for _ in parsed]
+    for r in range(repeats + 2):
+        for j, (fmt, knobs) in enumerate(parsed):
+            w13, w2, _ = weights[fmt]
+            t0 = time.perf_counter()
+            cpu.fused_moe(x, w13, w2, *routes[r % 8], knobs=knobs)
+            if r >= 2:
+                times[j].append(time.perf_counter() - t0)
+    print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
+    base = statistics.median(times[0])
+    rows = []
+    for text, (fmt, _), t in zip(variants, parsed, times):
+        med = statistics.median(t)
+        q = statistics.quantiles(t, n=10) if len(t) > 1 else [med] * 9
+        gbps = touched * weights[fmt][2] / med / 1e9
+        rows.append({"variant": text, "median_s": med, "p10_s": q[0], "p90_s": q[-1], "gbps": gbps,
+                     "speed_vs_first": base / med})
+        print(f"{text:44s} {med * 1e3:8.2f} ms [{q[0] * 1e3:.2f}–{q[-1] * 1e3:.2f}]  {gbps:6.2f} GB/s  "
+              f"×{base / med:.2f} vs {variants[0]}", file=out, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m suites.moe_ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("variants", nargs="+")
+    a = ap.parse_args(argv)
+    if a.tokens < 1 or a.repeats < 1:
+        print("error: --tokens and --repeats must be ≥ 1", file=sys.stderr)
+        return 2
+    try:
+        run(a.shape, a.tokens, a.repeats, a.variants)
+    except (ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
