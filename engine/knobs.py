@@ -140,10 +140,12 @@ CATALOGUE: dict[str, Knob] = {k.name: k for k in (
          "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "
          "permuted to match (widen; exact, half the instructions; block K a multiple of 64, else vector)",
          choices=("vector", "lut", "widen")),
-    Knob("cpu_int4_method", str, "int16", "kernels/cpu",
-         "CPU INT4 weights (scale groups of a multiple of 64): integer products against int16-quantized "
-         "activations (int16, half the instructions) or float products against float activations (float)",
-         choices=("float", "int16")),
+    Knob("cpu_int4_method", str, "int8", "kernels/cpu",
+         "CPU INT4 weights: integer products against activations quantized per token to int16 (int16; "
+         "groups of a multiple of 64), byte products against activations quantized per token and group "
+         "to int8 (int8, as llama.cpp's Q4 x Q8: half the instructions again, ~0.5 % activation error; "
+         "groups of a multiple of 128, else int16), or float products (float)",
+         choices=("float", "int16", "int8")),
     Knob("cpu_task_chunk", int, 1, "kernels/cpu",
          "CPU linear / fused MoE: consecutive parallel tasks a thread takes at once (1: fully dynamic; "
          "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "

@@ -33,7 +33,7 @@ KNOB_DEFAULTS: dict[str, Any] = {
     "cpu_gemm_min_tokens": 32,
     "cpu_gemm_block_n": 256,
     "cpu_fp8_method": "widen",
-    "cpu_int4_method": "int16",
+    "cpu_int4_method": "int8",
     "cpu_task_chunk": 1,
     "cpu_amx_min_tokens": 32,
     "cpu_attn_head_fold": 128,
@@ -49,7 +49,7 @@ ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_bl
               "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_blas_kv_block")
 LOAD_KNOBS = ("cpu_huge_pages",)  # read once by prepare(), not per call
 FP8_METHODS = {"vector": 0, "lut": 1, "widen": 2}
-INT4_METHODS = {"float": 0, "int16": 1}
+INT4_METHODS = {"float": 0, "int16": 1, "int8": 2}
 _knobs = dict(KNOB_DEFAULTS)
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}

@@ -12,8 +12,9 @@
 namespace moetune {
 
 // kInt4i: INT4 by integer products; kFp8w: FP8 widened through 16-bit lanes (the "widen" method)
-enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6 };
-enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1 };
+// kInt4b: INT4 by byte products against int8 activations (the "int8" INT4 method)
+enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7 };
+enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 
 // One weight matrix [N, K] (one expert of a stack, or a plain linear).
@@ -29,6 +30,7 @@ struct WeightView {
   int block_n = 1;               // fp8: rows per scale block
   int fp8_method = kFp8Vector;
   bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
+  bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
 };
 

@@ -30,6 +30,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kInt4: return get_micro_int4(rows, tokens);
     case kInt4i: return get_micro_int4i(rows, tokens);
     case kFp8w: return get_micro_fp8w(rows, tokens);
+    case kInt4b: return get_micro_int4b(rows, tokens);
   }
   return nullptr;
 }
@@ -51,7 +52,9 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.group = (int)group;
   v.block_n = (int)block_n;
   v.fp8_method = kn.fp8_method;
-  v.int4_int = fmt == kInt4 && kn.int4_method == kInt4Int16 && group % 64 == 0;
+  // INT4: int8 activations need groups of whole 128-element chunks; otherwise int16 (groups of 64)
+  v.int4_i8 = fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0;
+  v.int4_int = fmt == kInt4 && !v.int4_i8 && kn.int4_method != kInt4Float && group % 64 == 0;
   v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
@@ -128,6 +131,13 @@ Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padd
   }
   if (gsumq.defined()) a.gsumq = gsumq.data_ptr<float>();
   if (xp.defined()) a.xp = xp.data_ptr<float>();
+  if (xb.defined()) {
+    a.xb = xb.data_ptr<int8_t>();
+    a.xbs = xbs.data_ptr<float>();
+    a.gsb = gsb.data_ptr<float>();
+    a.ld = xb.size(1);
+    a.gld = xbs.size(1);
+  }
   return a;
 }
 
@@ -158,6 +168,32 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
           for (int v = 0; v < 4; ++v)
             for (int q = 0; q < 16; ++q)
               o[m * kp + k0 + 16 * v + q] = d[m * kp + k0 + fp8_widen_order(v, q)] * kFp8WidenActScale;
+    });
+  }
+  if (W.fmt == kInt4 && W.int4_i8) {  // int8 per (token, group), micro_int4b's order, group sums
+    const int64_t G = kp / W.group;
+    p.xb = at::zeros({M, kp}, at::kChar);
+    p.xbs = at::empty({M, G}, at::kFloat);
+    p.gsb = at::empty({M, G}, at::kFloat);
+    int8_t* q = p.xb.data_ptr<int8_t>();
+    float *sc = p.xbs.data_ptr<float>(), *gs = p.gsb.data_ptr<float>();
+    at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* xr = d + m * kp + g * W.group;  // zero-padded past K
+          float a = 0.f;
+          for (int64_t i = 0; i < W.group; ++i) a = std::max(a, std::fabs(xr[i]));
+          const float s = a > 0.f ? a / 127.f : 1.f, inv = 1.f / s;
+          int64_t sum = 0;
+          for (int64_t i = 0; i < W.group; ++i) {
+            const int8_t v = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(xr[i] * inv)));
+            const int64_t c = i / 128, e2 = i % 128, j = e2 % 32;  // chunk, element in it, in its 32
+            q[m * kp + g * W.group + c * 128 + (j < 16 ? 0 : 64) + 16 * (e2 / 32) + j % 16] = v;
+            sum += v;
+          }
+          sc[m * G + g] = s;
+          gs[m * G + g] = s * (float)sum;
+        }
     });
   }
   if (W.fmt == kInt4 && W.int4_int) {  // int16 activations (±32767) in the kernel's order, int group sums
@@ -206,7 +242,10 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
   const int R = kn.micro_rows, MT = kn.micro_tokens;
-  const int fmt = W.fmt == kInt4 && W.int4_int ? kInt4i : W.fmt == kFp8 && W.fp8_widen ? kFp8w : W.fmt;
+  const int fmt = W.fmt == kInt4 && W.int4_i8    ? kInt4b
+                  : W.fmt == kInt4 && W.int4_int ? kInt4i
+                  : W.fmt == kFp8 && W.fp8_widen ? kFp8w
+                                                 : W.fmt;
   MicroFn fn = get_micro(fmt, R, MT);
   MicroFn fn1 = get_micro(fmt, R, 1);
   float buf[8 * 4];
@@ -307,7 +346,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W.fmt, kn);
-  if (gemm) W.int4_int = W.fp8_widen = false;  // the GEMM path multiplies float activations only
+  if (gemm) W.int4_int = W.int4_i8 = W.fp8_widen = false;  // the GEMM path multiplies float activations only
   PreparedAct p = prepare_act(x, W);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);

@@ -14,6 +14,9 @@ struct Act {
   const float* xs = nullptr;
   const float* gsum = nullptr;
   const float* gsumq = nullptr;  // INT4 integer path: per-group sums of the int16 activations
+  const int8_t* xb = nullptr;    // INT4 int8 path: per-group int8 rows, permuted per 128 (see micro_int4b)
+  const float* xbs = nullptr;    // ... their per-(token, group) scales [*, gld]
+  const float* gsb = nullptr;    // ... and per-(token, group) sums of the dequantized int8 activations
   const float* xp = nullptr;     // FP8 widen path: float rows × 2^60, permuted per 64 (fp8_widen_order)
   int64_t ld = 0, gld = 0;
 };
@@ -34,6 +37,7 @@ MicroFn get_micro_fp8(int rows, int tokens);
 MicroFn get_micro_int4(int rows, int tokens);
 MicroFn get_micro_int4i(int rows, int tokens);
 MicroFn get_micro_fp8w(int rows, int tokens);
+MicroFn get_micro_int4b(int rows, int tokens);
 
 // Bytes of one weight row holding k elements, per format.
 template <int F>
@@ -234,6 +238,86 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     }
 }
 
+// INT4 weights × int8 activations (the "int8" INT4 method, as llama.cpp's Q4 × Q8): activations
+// quantized per token and scale group to int8 (|q| ≤ 127, scale amax / 127), stored per 128 elements
+// as [the 64 meeting low nibbles | the 64 meeting high nibbles] so that 64 packed bytes (128 weights)
+// give their low nibbles against the first half and the high nibbles against the second. vpmaddubsw
+// multiplies the unsigned nibbles by the signed bytes and adds pairs into int16 (|·| ≤ 3810, no
+// saturation); the two halves add in int16 and vpmaddwd with ones widens them to int32: 7
+// instructions per 128 weights per token where the int16 method needs 14. Each group's sum is
+// scaled by weight scale × activation scale; the zero point is subtracted at the end through the
+// groups' sums of the dequantized int8 activations.
+template <int R, int MT>
+void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
+  const uint8_t* row[R];
+  const float* srow[R];
+  const float* zrow[R];
+  const int8_t* x[MT];
+  const float* xs[MT];
+  for (int r = 0; r < R; ++r) {
+    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+    row[r] = W.w + rr * W.row_bytes;
+    srow[r] = W.scale + rr * W.scale_ld;
+    zrow[r] = W.zero + rr * W.scale_ld;
+  }
+  for (int m = 0; m < MT; ++m) x[m] = A.xb + tok[m] * A.ld, xs[m] = A.xbs + tok[m] * A.gld;
+  const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
+  const uint8_t* nrow[R];
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  {
+    const float* ns = W.scale + (r0 + R) * W.scale_ld;
+    const float* nz = W.zero + (r0 + R) * W.scale_ld;
+    for (int64_t o = 0; o < R * W.scale_ld; o += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
+    }
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0, kb = 0; g < G; ++g, kb += gsz) {
+    __m512i part[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) part[r][m] = _mm512_setzero_si512();
+    for (int64_t k = kb; k < kb + gsz; k += 128) {
+      __m512i xl[MT], xh[MT];
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        xl[m] = _mm512_loadu_si512((const void*)(x[m] + k));
+        xh[m] = _mm512_loadu_si512((const void*)(x[m] + k + 64));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        prefetch_row<kInt4>(nrow[r], k);
+        const __m512i v = _mm512_loadu_si512((const void*)(row[r] + k / 2));
+        const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) {
+          const __m512i s16 = _mm512_add_epi16(_mm512_maddubs_epi16(wl, xl[m]), _mm512_maddubs_epi16(wh, xh[m]));
+          part[r][m] = _mm512_add_epi32(part[r][m], _mm512_madd_epi16(s16, ones));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), _mm512_set1_ps(srow[r][g] * xs[m][g]), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      const float* gq = A.gsb + tok[m] * A.gld;
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 mk = tail_mask16(G - g);
+        c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
+                            _mm512_maskz_loadu_ps(mk, gq + g), c);
+      }
+      out[m * R + r] = hsum(acc[r][m]) - hsum(c);
+    }
+}
+
 // FP8 E4M3 by 16-bit lanes ("widen"): 64 weight bytes are interleaved with zero bytes (vpunpck*bw),
 // putting each byte in the high half of a 16-bit lane; an arithmetic shift by 4 and a mask leave
 // bfloat16 bits whose exponent field is the E4M3 exponent unchanged, i.e. the exact value × 2^-120
@@ -317,6 +401,8 @@ MicroFn pick_tokens(int tokens) {
     switch (tokens) { case 1: return micro_int8<R, 1>; case 2: return micro_int8<R, 2>; case 4: return micro_int8<R, 4>; }
   } else if constexpr (F == kInt4i) {
     switch (tokens) { case 1: return micro_int4i<R, 1>; case 2: return micro_int4i<R, 2>; case 4: return micro_int4i<R, 4>; }
+  } else if constexpr (F == kInt4b) {
+    switch (tokens) { case 1: return micro_int4b<R, 1>; case 2: return micro_int4b<R, 2>; case 4: return micro_int4b<R, 4>; }
   } else if constexpr (F == kFp8w) {
     switch (tokens) { case 1: return micro_fp8w<R, 1>; case 2: return micro_fp8w<R, 2>; case 4: return micro_fp8w<R, 4>; }
   } else {

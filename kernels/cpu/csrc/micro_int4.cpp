@@ -4,4 +4,5 @@
 namespace moetune {
 MicroFn get_micro_int4(int rows, int tokens) { return pick_rows<kInt4>(rows, tokens); }
 MicroFn get_micro_int4i(int rows, int tokens) { return pick_rows<kInt4i>(rows, tokens); }
+MicroFn get_micro_int4b(int rows, int tokens) { return pick_rows<kInt4b>(rows, tokens); }
 }  // namespace moetune

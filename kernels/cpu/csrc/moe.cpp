@@ -136,6 +136,8 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   xw.int4_int &= !small.empty();
   hw.int4_int &= !small.empty();
   xw.fp8_widen &= !small.empty();
+  xw.int4_i8 &= !small.empty();
+  hw.int4_i8 &= !small.empty();
   hw.fp8_widen &= !small.empty();
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();

@@ -35,7 +35,7 @@ Knobs make_knobs(const std::vector<int64_t>& k);
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
 // quantized rows + scales. Owns its buffers.
 struct PreparedAct {
-  at::Tensor xf, xq, xs, gsum, gsumq, xp;
+  at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb;
   Act view() const;
 };
 PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
