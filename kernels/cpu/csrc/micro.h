@@ -168,24 +168,23 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
 // subtracted once per row at the end, Σ_g scale·zero·(group sum of the int16 activations), as a
 // vector dot product over the groups. The next tile's scale and zero rows are prefetched with its
 // weights (they are separate short streams the hardware does not follow).
-template <int R, int MT>
-void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
-                 const uint8_t* next) {
+// The row tile of an INT4 integer microkernel: weight, scale and zero rows of rows r0..r0+R (past
+// N: the last row), the next tile's weight rows, and a prefetch of the next tile's scale / zero rows
+// when it is the next rows of this matrix (short streams the hardware does not follow).
+template <int R>
+struct Int4Tile {
   const uint8_t* row[R];
+  const uint8_t* nrow[R];
   const float* srow[R];
   const float* zrow[R];
-  const int16_t* x[MT];
-  for (int r = 0; r < R; ++r) {
-    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
-    row[r] = W.w + rr * W.row_bytes;
-    srow[r] = W.scale + rr * W.scale_ld;
-    zrow[r] = W.zero + rr * W.scale_ld;
-  }
-  for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
-  const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
-  const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
-  {  // the next tile's scale / zero rows, when it is the next rows of this matrix
+  Int4Tile(const WeightView& W, int64_t r0, const uint8_t* next) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+      row[r] = W.w + rr * W.row_bytes;
+      nrow[r] = next + r * W.row_bytes;
+      srow[r] = W.scale + rr * W.scale_ld;
+      zrow[r] = W.zero + rr * W.scale_ld;
+    }
     const float* ns = W.scale + (r0 + R) * W.scale_ld;
     const float* nz = W.zero + (r0 + R) * W.scale_ld;
     for (int64_t o = 0; o < R * W.scale_ld; o += 16) {
@@ -193,6 +192,25 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
     }
   }
+  // Σ_g scale·zero·gsum[g] of row r over G groups: the zero point's share of the product
+  float zero_term(int r, const float* gsum, int64_t G) const {
+    __m512 c = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 mk = tail_mask16(G - g);
+      c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
+                          _mm512_maskz_loadu_ps(mk, gsum + g), c);
+    }
+    return hsum(c);
+  }
+};
+
+template <int R, int MT>
+void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
+  const Int4Tile<R> tl(W, r0, next);
+  const int16_t* x[MT];
+  for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
+  const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
   const __m512i nib = _mm512_set1_epi16(0x0F);
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
@@ -210,8 +228,8 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_row<kInt4>(nrow[r], k);
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row[r] + k / 2)));
+        prefetch_row<kInt4>(tl.nrow[r], k);
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tl.row[r] + k / 2)));
         const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_srli_epi16(v, 4);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; ++m)
@@ -221,21 +239,13 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 sv = _mm512_set1_ps(srow[r][g]);
+      const __m512 sv = _mm512_set1_ps(tl.srow[r][g]);
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), sv, acc[r][m]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) {
-      const float* gq = A.gsumq + tok[m] * A.gld;
-      __m512 c = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mk = tail_mask16(G - g);
-        c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
-                            _mm512_maskz_loadu_ps(mk, gq + g), c);
-      }
-      out[m * R + r] = (hsum(acc[r][m]) - hsum(c)) * A.xs[tok[m]];
-    }
+    for (int m = 0; m < MT; ++m)
+      out[m * R + r] = (hsum(acc[r][m]) - tl.zero_term(r, A.gsumq + tok[m] * A.gld, G)) * A.xs[tok[m]];
 }
 
 // INT4 weights × int8 activations (the "int8" INT4 method, as llama.cpp's Q4 × Q8): activations
@@ -250,29 +260,11 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 template <int R, int MT>
 void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
                  const uint8_t* next) {
-  const uint8_t* row[R];
-  const float* srow[R];
-  const float* zrow[R];
+  const Int4Tile<R> tl(W, r0, next);
   const int8_t* x[MT];
   const float* xs[MT];
-  for (int r = 0; r < R; ++r) {
-    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
-    row[r] = W.w + rr * W.row_bytes;
-    srow[r] = W.scale + rr * W.scale_ld;
-    zrow[r] = W.zero + rr * W.scale_ld;
-  }
   for (int m = 0; m < MT; ++m) x[m] = A.xb + tok[m] * A.ld, xs[m] = A.xbs + tok[m] * A.gld;
   const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
-  const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
-  {
-    const float* ns = W.scale + (r0 + R) * W.scale_ld;
-    const float* nz = W.zero + (r0 + R) * W.scale_ld;
-    for (int64_t o = 0; o < R * W.scale_ld; o += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
-    }
-  }
   const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
@@ -290,8 +282,8 @@ void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_row<kInt4>(nrow[r], k);
-        const __m512i v = _mm512_loadu_si512((const void*)(row[r] + k / 2));
+        prefetch_row<kInt4>(tl.nrow[r], k);
+        const __m512i v = _mm512_loadu_si512((const void*)(tl.row[r] + k / 2));
         const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; ++m) {
@@ -303,19 +295,10 @@ void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m)
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), _mm512_set1_ps(srow[r][g] * xs[m][g]), acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), _mm512_set1_ps(tl.srow[r][g] * xs[m][g]), acc[r][m]);
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) {
-      const float* gq = A.gsb + tok[m] * A.gld;
-      __m512 c = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mk = tail_mask16(G - g);
-        c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
-                            _mm512_maskz_loadu_ps(mk, gq + g), c);
-      }
-      out[m * R + r] = hsum(acc[r][m]) - hsum(c);
-    }
+    for (int m = 0; m < MT; ++m) out[m * R + r] = hsum(acc[r][m]) - tl.zero_term(r, A.gsb + tok[m] * A.gld, G);
 }
 
 // FP8 E4M3 by 16-bit lanes ("widen"): 64 weight bytes are interleaved with zero bytes (vpunpck*bw),
