@@ -131,6 +131,12 @@ def random_weight(shape: tuple[int, ...], fmt: str, g: torch.Generator):
     return formats.Int4GroupWeight(packed, scale, torch.full_like(scale, 8.0), k, INT4_GROUP)
 
 
+def random_routes(t: int, e: int, k: int, g: torch.Generator, n: int = ROUTINGS) -> list[tuple]:
+    """n routings of t tokens: softmax weights [t, k] and k distinct experts of e per token."""
+    return [(torch.softmax(torch.randn(t, k, generator=g), -1),
+             torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])) for _ in range(n)]
+
+
 def expert_bytes(w13, w2) -> float:
     return (w13.nbytes + w2.nbytes) / w13.shape[0]
 
@@ -172,9 +178,7 @@ def bench_moe(shape: MoeShape, fmt: str, t: int, repeats: int, g: torch.Generato
     p13, p2 = cpu.prepare(w13), cpu.prepare(w2)
     w13, w2 = getattr(p13, "orig", w13), getattr(p2, "orig", w2)  # the prepared copies: the originals are freed
     x = (torch.randn(t, shape.d, generator=g)).to(torch.bfloat16)
-    routes = [(torch.softmax(torch.randn(t, shape.k, generator=g), -1),
-               torch.stack([torch.randperm(shape.e, generator=g)[:shape.k] for _ in range(t)]))
-              for _ in range(ROUTINGS)]
+    routes = random_routes(t, shape.e, shape.k, g)
     touched = statistics.mean(len(ids.unique()) for _, ids in routes)
     deq: dict[int, tuple] = {}
 

@@ -3,7 +3,7 @@
     python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
 
 A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
-Round r calls every variant once, in order, on the r-th of 8 routings; after 2 warm-up rounds the
+Round r calls every variant once, in order, on the r-th of the suite's routings; after 2 warm-up rounds the
 median and p10–p90 of each variant are printed with its GB/s (weight bytes of the experts touched)
 and its speed relative to the first variant. On a shared machine the figures drift between runs,
 but the variants of one run share the drift. That makes this the tool for ratios, such as FP8 vs
@@ -36,7 +36,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdout) -> list[dict]:
     import kernels.cpu as cpu
-    from suites.kernels import expert_bytes, random_weight
+    from suites.kernels import ROUTINGS, expert_bytes, random_routes, random_weight
     from tuner.fingerprint import fingerprint
 
     d, i, e, k = SHAPES[shape]
@@ -49,15 +49,14 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
             w2 = cpu.prepare(random_weight((e, d, i), fmt, g))
             weights[fmt] = (w13, w2, expert_bytes(w13, w2))
     x = torch.randn(tokens, d, generator=g).to(torch.bfloat16)
-    routes = [(torch.softmax(torch.randn(tokens, k, generator=g), -1),
-               torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])) for _ in range(8)]
+    routes = random_routes(tokens, e, k, g)
     touched = statistics.mean(len(ids.unique()) for _, ids in routes)
     times: list[list[float]] = [[] for _ in parsed]
     for r in range(repeats + 2):
         for j, (fmt, knobs) in enumerate(parsed):
             w13, w2, _ = weights[fmt]
             t0 = time.perf_counter()
-            cpu.fused_moe(x, w13, w2, *routes[r % 8], knobs=knobs)
+            cpu.fused_moe(x, w13, w2, *routes[r % ROUTINGS], knobs=knobs)
             if r >= 2:
                 times[j].append(time.perf_counter() - t0)
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)

@@ -108,8 +108,8 @@ def register_cpu_ops() -> bool:
     names = tuple(n for n in getattr(cpu, "KNOB_DEFAULTS", {}) if n in CATALOGUE)
     if not names:
         return False
-    load_time = getattr(cpu, "LOAD_KNOBS", ())  # read once by prepare(): not a per-call tile
-    weight_knobs = tuple(n for n in names if not n.startswith("cpu_attn_") and n not in load_time)
+    # the load-time knobs (cpu.LOAD_KNOBS) are read once by prepare(): not per-call tiles
+    weight_knobs = tuple(n for n in names if not n.startswith("cpu_attn_") and n not in cpu.LOAD_KNOBS)
     linear_knobs = tuple(n for n in weight_knobs if n != "cpu_moe_block_n")  # each op: the tiles it reads
     moe_knobs = tuple(n for n in weight_knobs if n != "cpu_linear_block_n")
     register_kernel_op(KernelOp(

@@ -32,6 +32,8 @@ struct WeightView {
   bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
+  // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
+  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = false; }
 };
 
 // Per-call run-time knobs (all from the knob catalogue, passed by Python).

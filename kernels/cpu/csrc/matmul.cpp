@@ -248,6 +248,8 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
                                                  : W.fmt;
   MicroFn fn = get_micro(fmt, R, MT);
   MicroFn fn1 = get_micro(fmt, R, 1);
+  const unsigned csr = _mm_getcsr();
+  if (fmt == kFp8w) _mm_setcsr(csr | 0x0040);  // DAZ for the sweep: micro_fp8w's denormals read as zero
   float buf[8 * 4];
   int64_t t[4];
   const uint8_t* first = W.w + n0 * W.row_bytes;  // the sweep's first tile: next for a later token group
@@ -268,6 +270,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
       }
     }
   }
+  if (fmt == kFp8w) _mm_setcsr(csr);
 }
 
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
@@ -346,7 +349,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W.fmt, kn);
-  if (gemm) W.int4_int = W.int4_i8 = W.fp8_widen = false;  // the GEMM path multiplies float activations only
+  if (gemm) W.no_micro_forms();
   PreparedAct p = prepare_act(x, W);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);

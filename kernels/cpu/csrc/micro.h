@@ -306,9 +306,10 @@ void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 // bfloat16 bits whose exponent field is the E4M3 exponent unchanged, i.e. the exact value × 2^-120
 // (±0 stays ±0; NaN reads as 480 as in the other methods). E4M3 denormals become float32 denormals,
 // which the FMA units take through a microcode assist (measured: 12× slower on random bytes), so the
-// kernel runs with MXCSR.DAZ set and reads them as zero: an error below 2^-6 of a quantization unit
-// (|w| < block max / 28672), the "no denormal handling" the format allows. The two bfloat16 halves of each 32-bit lane become float32 by a shift
-// (low half) and a mask (high half). That is 5 integer instructions per 32 weights instead of 10,
+// kernel runs with MXCSR.DAZ set (by micro_sweep, once per sweep) and reads them as zero: an error
+// below 2^-6 of a quantization unit (|w| < block max / 28672), the "no denormal handling" the format
+// allows. The two bfloat16 halves of each 32-bit lane become float32 by a shift (low half) and a
+// mask (high half). That is 5 integer instructions per 32 weights instead of 10,
 // and one shuffle instead of four. The lane order this produces is fixed per 64 elements, so the
 // activations are permuted the same way once per call (fp8_widen_order) and scaled by 2^60; the
 // block's partial sum is scaled by its block scale × 2^60. Products stay normal floats unless
@@ -338,8 +339,6 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  const unsigned csr = _mm_getcsr();
-  _mm_setcsr(csr | 0x0040);  // DAZ: denormal inputs read as zero, no assist
   for (int64_t kb = 0, g = 0; kb < K; kb += gsz, ++g) {
     const int64_t ke = kb + gsz < K ? kb + gsz : K;
     __m512 part[R][MT];
@@ -372,7 +371,6 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
     }
   }
-  _mm_setcsr(csr);
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }

@@ -131,13 +131,9 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
     if (r.count[e] > 0) (r.count[e] >= gemm_from((int)fmt, kn) ? large : small).push_back(e);
 
   // phase 1: h [P, I]
-  // INT4's int16 (FP8 widen: permuted) activations only where a microkernel will read them (some expert below the GEMM size)
+  // the microkernel-only activation forms (INT4 int16 / int8, FP8 widen) only where a microkernel reads them
   WeightView xw = W13.base, hw = W2.base;
-  xw.int4_int &= !small.empty();
-  hw.int4_int &= !small.empty();
-  xw.fp8_widen &= !small.empty();
-  xw.int4_i8 &= !small.empty();
-  hw.int4_i8 &= !small.empty();
+  if (small.empty()) xw.no_micro_forms(), hw.no_micro_forms();
   hw.fp8_widen &= !small.empty();
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
