@@ -1,5 +1,2 @@
-"""User-facing errors."""
-
-
-class MoetuneError(Exception):
-    """A user-facing error: printed as one line, no traceback."""
+"""User-facing errors (the class lives in kernels.errors, below the engine and the kernels' knobs)."""
+from kernels.errors import MoetuneError  # noqa: F401

@@ -7,7 +7,7 @@ INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wr
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
 
-Run-time knobs (engine.knobs CATALOGUE, `cpu_*`): set once by `configure(knobs)`, or per call with
+Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`): set once by `configure(knobs)`, or per call with
 `knobs={...}` on linear / fused_moe (the tests and the kernel suite sweep them that way).
 """
 from __future__ import annotations
@@ -20,34 +20,13 @@ import torch
 
 from kernels import reference
 from kernels.cpu_build import load as _load
+from kernels.cpu_knobs import ATTN_KNOBS, CPU_KNOBS, LOAD_KNOBS  # noqa: F401 - re-exported
 from kernels.formats import DenseWeight, Fp8BlockWeight, Int4GroupWeight, Int8ChannelWeight
 
 _ext = _load()  # ImportError (with the reason) where the kernels cannot run or build
 
-# Knob name → default; the order is the C++ Knobs vector's. Defaults mirror engine/knobs.py.
-KNOB_DEFAULTS: dict[str, Any] = {
-    "cpu_micro_rows": 4,
-    "cpu_micro_tokens": 1,
-    "cpu_linear_block_n": 64,
-    "cpu_moe_block_n": 32,
-    "cpu_gemm_min_tokens": 32,
-    "cpu_gemm_block_n": 256,
-    "cpu_fp8_method": "widen",
-    "cpu_int4_method": "int8",
-    "cpu_task_chunk": 1,
-    "cpu_amx_min_tokens": 32,
-    "cpu_attn_head_fold": 128,
-    "cpu_attn_kv_splits": 8,
-    "cpu_attn_decode_kv_block": 64,
-    "cpu_attn_extend_q_block": 128,
-    "cpu_attn_extend_kv_block": 512,
-    "cpu_attn_blas_rows": 32,
-    "cpu_attn_blas_kv_block": 256,
-    "cpu_huge_pages": False,
-}
-ATTN_KNOBS = ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_extend_q_block",
-              "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_blas_kv_block")
-LOAD_KNOBS = ("cpu_huge_pages",)  # read once by prepare(), not per call
+# Knob name → default, from the declarations (kernels/cpu_knobs.py): the one source.
+KNOB_DEFAULTS: dict[str, Any] = {k.name: k.default for k in CPU_KNOBS}
 FP8_METHODS = {"vector": 0, "lut": 1, "widen": 2}
 INT4_METHODS = {"float": 0, "int16": 1, "int8": 2}
 _knobs = dict(KNOB_DEFAULTS)

@@ -1,0 +1,78 @@
+"""The knobs of the "cpu" kernel backend (kernels/cpu), declared once, beside their reader.
+
+A module beside the kernels.cpu package (importing it never builds the extension). engine.knobs
+collects these into the catalogue; kernels.cpu takes its defaults from here and hands every value to
+the C++ kernels as a named struct (no mirrored defaults in C++).
+"""
+from __future__ import annotations
+
+from kernels.knobspec import Knob
+
+CPU_KNOBS: tuple[Knob, ...] = (
+    Knob("cpu_micro_rows", int, 4, "kernels/cpu",
+         "CPU matmul microkernel: weight rows per register tile", choices=(4, 8)),
+    Knob("cpu_micro_tokens", int, 1, "kernels/cpu",
+         "CPU matmul microkernel: tokens per register tile (each weight chunk is converted once for them)",
+         choices=(1, 2, 4)),
+    Knob("cpu_linear_block_n", int, 64, "kernels/cpu",
+         "CPU linear, few tokens: output rows per parallel task", low=8, high=1024, log=True, pow2=True),
+    Knob("cpu_moe_block_n", int, 32, "kernels/cpu",
+         "CPU fused MoE: rows per task (intermediate rows in gate/up, output rows in down); tasks are "
+         "experts × tiles", low=8, high=512, log=True, pow2=True),
+    Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert): from this many, weight blocks are unpacked to "
+         "float32 and multiplied with BLAS instead of the register microkernel", low=1, high=4096, log=True),
+    Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
+         "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
+         low=16, high=4096, log=True, pow2=True),
+    Knob("cpu_fp8_method", str, "widen", "kernels/cpu",
+         "CPU FP8 weights: E4M3 expanded by bit arithmetic in 32-bit lanes (vector), by a 256-entry "
+         "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "
+         "permuted to match (widen; exact, half the instructions; block K a multiple of 64, else vector)",
+         choices=("vector", "lut", "widen")),
+    Knob("cpu_int4_method", str, "int8", "kernels/cpu",
+         "CPU INT4 weights: integer products against activations quantized per token to int16 (int16; "
+         "groups of a multiple of 64), byte products against activations quantized per token and group "
+         "to int8 (int8, as llama.cpp's Q4 x Q8: half the instructions again, ~0.5 % activation error; "
+         "groups of a multiple of 128, else int16), or float products (float)",
+         choices=("float", "int16", "int8")),
+    Knob("cpu_task_chunk", int, 1, "kernels/cpu",
+         "CPU linear / fused MoE: consecutive parallel tasks a thread takes at once (1: fully dynamic; "
+         "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
+         "has already fetched)", low=1, high=64, log=True),
+    Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert), BF16 and INT8 weights: from this many rows the "
+         "GEMM runs on AMX tiles where the CPU has AMX (inert elsewhere)", low=1, high=4096, log=True),
+    Knob("cpu_huge_pages", bool, False, "kernels/cpu",
+         "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
+         "transparent huge pages (fewer TLB misses while streaming experts from DRAM; measured both "
+         "faster and slower on a VM, so off unless it helps on the machine)",
+         choices=(False, True), tune=False),
+    Knob("cpu_attn_head_fold", int, 128, "kernels/cpu",
+         "CPU attention decode: query heads sharing a KV head folded into one task's rows (each cache "
+         "block converted once for them; register groups of ≤ 16, or sgemm from cpu_attn_blas_rows)",
+         low=1, high=256, log=True),
+    Knob("cpu_attn_kv_splits", int, 8, "kernels/cpu",
+         "CPU attention decode (flash decoding): most pieces one sequence's keys are cut into, computed "
+         "in parallel and merged by log-sum-exp", low=1, high=64, log=True),
+    Knob("cpu_attn_decode_kv_block", int, 64, "kernels/cpu",
+         "CPU attention decode: keys per cache block (converted and transposed once, used for the QK "
+         "and the PV products while L2-resident)", low=16, high=1024, log=True, pow2=True),
+    Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
+         "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
+    Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
+         "CPU extend attention (prefill): keys per online-softmax step", low=16, high=1024, log=True,
+         pow2=True),
+    Knob("cpu_attn_blas_rows", int, 32, "kernels/cpu",
+         "CPU attention: from this many rows per task (folded heads, or a query tile) the QK and PV products "
+         "run as sgemm on float32-converted cache blocks instead of the register kernels", low=1, high=1024,
+         log=True),
+    Knob("cpu_attn_blas_kv_block", int, 256, "kernels/cpu",
+         "CPU attention decode, sgemm form (rows ≥ cpu_attn_blas_rows): keys per converted cache block",
+         low=16, high=4096, log=True, pow2=True),
+)
+
+# read once by prepare() at load, not per call
+LOAD_KNOBS = ("cpu_huge_pages",)
+# read by the attention kernels (the others by linear / fused MoE)
+ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))

@@ -1,0 +1,65 @@
+"""The knobs of the "cuda" kernel backend (Triton tiles, kernels/cuda), declared once, beside their
+reader (kernels.cuda.tiles builds each launch's tiles from them). engine.knobs collects them.
+"""
+from __future__ import annotations
+
+from kernels.knobspec import Knob
+
+CUDA_KNOBS: tuple[Knob, ...] = (
+    Knob("cuda_moe_block_m", int, 64, "kernels/cuda",
+         "GPU MoE, prefill (contiguous layout): (token, expert) pairs per program", low=16, high=128, pow2=True),
+    Knob("cuda_moe_block_n", int, 64, "kernels/cuda",
+         "GPU MoE, prefill (contiguous layout): output columns per program", low=16, high=256, pow2=True),
+    Knob("cuda_moe_block_k", int, 64, "kernels/cuda",
+         "GPU MoE, prefill (contiguous layout): K step (≥ 32 for FP8 dots; divides the 128-wide scale block)",
+         low=32, high=128, pow2=True),
+    Knob("cuda_moe_num_warps", int, 4, "kernels/cuda",
+         "GPU MoE, prefill (contiguous layout): warps per program", low=1, high=8, pow2=True),
+    Knob("cuda_moe_num_stages", int, 3, "kernels/cuda",
+         "GPU MoE, prefill (contiguous layout): software-pipelining depth", low=1, high=6),
+    Knob("cuda_moe_decode_block_m", int, 16, "kernels/cuda",
+         "GPU MoE, decode (masked layout): (token, expert) pairs per program", low=16, high=128, pow2=True),
+    Knob("cuda_moe_decode_block_n", int, 64, "kernels/cuda",
+         "GPU MoE, decode (masked layout): output columns per program", low=16, high=256, pow2=True),
+    Knob("cuda_moe_decode_block_k", int, 128, "kernels/cuda",
+         "GPU MoE, decode (masked layout): K step (≥ 32 for FP8 dots; divides the 128-wide scale block)",
+         low=32, high=128, pow2=True),
+    Knob("cuda_moe_decode_num_warps", int, 4, "kernels/cuda",
+         "GPU MoE, decode (masked layout): warps per program", low=1, high=8, pow2=True),
+    Knob("cuda_moe_decode_num_stages", int, 4, "kernels/cuda",
+         "GPU MoE, decode (masked layout): software-pipelining depth", low=1, high=6),
+    Knob("cuda_moe_masked_max_tokens", int, 64, "kernels/cuda",
+         "GPU fused MoE: most tokens run in the masked (decode, CUDA-graph) layout; more use the "
+         "contiguous one", low=0, high=4096),
+    Knob("cuda_fp8_gemm_block_m", int, 128, "kernels/cuda", "GPU FP8 block GEMM: rows per program",
+         low=16, high=256, pow2=True),
+    Knob("cuda_fp8_gemm_block_n", int, 128, "kernels/cuda", "GPU FP8 block GEMM: columns per program",
+         low=16, high=256, pow2=True),
+    Knob("cuda_fp8_gemm_block_k", int, 128, "kernels/cuda",
+         "GPU FP8 block GEMM: K step (divides the 128-wide scale block)", low=32, high=128, pow2=True),
+    Knob("cuda_fp8_gemm_group_m", int, 8, "kernels/cuda",
+         "GPU FP8 block GEMM: row tiles walked together (L2 reuse of the weight)", low=1, high=32, pow2=True),
+    Knob("cuda_fp8_gemm_num_warps", int, 8, "kernels/cuda", "GPU FP8 block GEMM: warps per program",
+         low=2, high=8, pow2=True),
+    Knob("cuda_fp8_gemm_num_stages", int, 3, "kernels/cuda", "GPU FP8 block GEMM: software-pipelining depth",
+         low=1, high=6),
+    Knob("cuda_fp8_quant_block_m", int, 8, "kernels/cuda",
+         "GPU FP8 activation quantizer: token rows per program (one 128-channel group each)",
+         low=1, high=64, pow2=True),
+    Knob("cuda_fp8_quant_num_warps", int, 4, "kernels/cuda", "GPU FP8 activation quantizer: warps per program",
+         low=1, high=8, pow2=True),
+    Knob("cuda_mla_head_block", int, 16, "kernels/cuda",
+         "GPU MLA decode: query heads folded into one program (the GEMM M side)", low=16, high=64, pow2=True),
+    Knob("cuda_mla_block_n", int, 32, "kernels/cuda", "GPU MLA decode: cached tokens per step",
+         low=16, high=128, pow2=True),
+    Knob("cuda_mla_kv_splits", int, 0, "kernels/cuda",
+         "GPU MLA decode: splits of each sequence's cache (flash decoding); 0: enough to give every "
+         "multiprocessor two programs", low=0, high=64),
+    Knob("cuda_mla_num_warps", int, 4, "kernels/cuda", "GPU MLA decode: warps per program", low=1, high=8,
+         pow2=True),
+    Knob("cuda_mla_num_stages", int, 2, "kernels/cuda", "GPU MLA decode: software-pipelining depth",
+         low=1, high=4),
+    Knob("cuda_mla_merge_num_warps", int, 2, "kernels/cuda",
+         "GPU MLA decode: warps per program of the log-sum-exp merge over splits", low=1, high=8, pow2=True),
+
+)
