@@ -88,11 +88,13 @@ class LLM:
     knobs: overrides of the knob catalogue (engine.knobs), e.g. {"kv_block_size": 32}.
     device: "cpu", or "cuda" (every layer, the weights and the KV cache on the GPU; the "cuda"
     kernel backend, whatever kernel_backend says).
+    kernel_tables: per-call kernel tables (a profile's [kernel_tables] form) used instead of the
+    profile's: the tuner's system tier runs on top of the tables its kernel tier found.
     """
 
     def __init__(self, model: str, dtype: str = "bfloat16", profile: str | None = None,
                  knobs: dict | None = None, progress: bool = True, force_profile: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", kernel_tables: dict | None = None):
         if dtype not in DTYPES:
             raise MoetuneError(f"dtype {dtype!r} is not supported (choose {', '.join(DTYPES)})")
         self.device = resolve_device(device)
@@ -111,6 +113,11 @@ class LLM:
                 ops.configure(self.knobs)
             except ValueError as e:
                 raise MoetuneError(str(e)) from e
+        if hasattr(ops, "prepare_weights"):  # backends repack weights once, at load
+            weights = ops.prepare_weights(weights)
+        self.kernel_plan: list = []  # per call site and bucket: the knobs its calls use (moetune explain)
+        if getattr(ops, "__name__", "") == "kernels.cpu":
+            ops = self._tuned_ops(ops, weights, knobs or {}, kernel_tables)
         absorb = self.knobs["mla_absorb"]
         if self.knobs["batch_invariant"]:  # see engine/invariant.py
             ops, absorb = RowwiseOps(ops), "always"
@@ -118,6 +125,57 @@ class LLM:
         c = self.config
         self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
                                    c.kv_lora_rank + c.qk_rope_head_dim, self.dtype, self.device)
+
+    def _tuned_ops(self, ops, weights: dict, command_line: dict, kernel_tables: dict | None):
+        """The cpu backend wrapped so that every linear / fused MoE / attention call takes the knobs of
+        its shape and bucket from the profile's kernel tables (engine/kernel_tables.py)."""
+        from engine import kernel_tables as kt
+
+        if kernel_tables is not None:
+            tables, where = dict(kernel_tables), "kernel tables"
+        else:
+            tables = dict(self.profile.kernel_tables) if self.profile else {}
+            where = f"profile {self.profile.path}" if self.profile else "kernel tables"
+        kt.check_tables(tables, where)
+        sources = kt.knob_sources(self.profile.knobs if self.profile else {}, command_line)
+        make_arg = getattr(ops, "make_knobs", None)
+        fmt_names = {v: k for k, v in ops.FORMAT_IDS.items()}
+        sites: dict[tuple, kt.SitePlan] = {}
+
+        def site(op: str, fmt: str, shape: dict) -> kt.SitePlan:
+            key = (op, fmt, tuple(shape.items()))
+            if key not in sites:
+                sites[key] = kt.build_site(op, fmt, shape, tables, self.knobs, sources, make_arg)
+            return sites[key]
+
+        by_weight: dict[int, kt.SitePlan] = {}
+        for name, w in weights.items():
+            if not isinstance(w, ops.Packed) or name.endswith("experts.w2"):
+                continue
+            fmt, n, k = fmt_names[w.args[0]], w.args[2], w.args[3]
+            if name.endswith("experts.w13"):
+                shape = {"experts": w.args[1].shape[0], "inter": n // 2, "hidden": k,
+                         "topk": self.config.num_experts_per_tok}
+                by_weight[id(w)] = site("fused_moe", fmt, shape)
+            else:
+                by_weight[id(w)] = site("linear", fmt, {"n": n, "k": k})
+            by_weight[id(w)].names.append(name)
+        cache_fmt = "f32" if self.dtype == torch.float32 else "bf16"
+
+        def attention_site(op: str, key: tuple) -> kt.SitePlan:
+            return site(op, cache_fmt, kt.attention_shape(op, key))
+
+        c = self.config
+        attention_site("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim))
+        attention_site("extend_attention", (c.num_attention_heads, c.qk_head_dim, c.v_head_dim))
+        self.kernel_plan = list(sites.values())
+        return kt.TunedOps(ops, by_weight, attention_site)
+
+    def explain(self) -> list[dict]:
+        """Per call site, bucket and knob: the value the kernel calls use and where it came from."""
+        from engine.kernel_tables import plan_rows
+
+        return plan_rows(self.kernel_plan)
 
     @property
     def eos_token_id(self) -> int | None:

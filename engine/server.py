@@ -164,7 +164,7 @@ class Server:
         if p is None:
             return None
         return {"path": str(p.path), "hardware_key": p.hardware_key, "model_key": p.model_key,
-                "knobs": dict(p.knobs)}
+                "knobs": dict(p.knobs), "kernel_tables": {op: len(rows) for op, rows in p.kernel_tables.items()}}
 
     def models(self) -> dict:
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "moetune",
@@ -176,7 +176,7 @@ class Server:
         state = self.engine.metrics.snapshot()
         return {"model": self.name, "path": str(self.llm.path), "model_key": self.llm.model_key,
                 "dtype": str(self.llm.dtype).removeprefix("torch."), "profile": self.profile_info(),
-                "knobs": self.llm.knobs, "max_model_len": self.llm.max_context,
+                "knobs": self.llm.knobs, "kernel_calls": self.llm.explain(), "max_model_len": self.llm.max_context,
                 "vocab_size": self.llm.config.vocab_size,
                 "kv_blocks_total": state["kv_total"], "kv_blocks_used": state["kv_used"],
                 "kv_block_size": self.llm.cache.block_size, "requests_waiting": state["waiting"],

@@ -76,3 +76,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
 LOAD_KNOBS = ("cpu_huge_pages",)
 # read by the attention kernels (the others by linear / fused MoE)
 ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))
+
+# Which per-call knobs each op of the backend reads: the kernel tier searches these per op, and the
+# engine's per-shape tables (engine/kernel_tables.py) set and show these per call site.
+_WEIGHT_OP_KNOBS = tuple(k.name for k in CPU_KNOBS if not k.name.startswith("cpu_attn_") and k.name not in LOAD_KNOBS)
+OP_KNOBS: dict[str, tuple[str, ...]] = {
+    "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n"),
+    "fused_moe": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_linear_block_n"),
+    "mla_decode": ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
+                   "cpu_attn_blas_kv_block"),
+    "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows"),
+}

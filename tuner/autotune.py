@@ -1,15 +1,20 @@
 """`moetune autotune`: tune this machine's knobs for a model and write its profile.
 
     moetune autotune [--model small] [--objective tpot|ttft|throughput|pareto]
-                     [--trials N | --time-budget 10m] [--storage URL] [--tier system|kernels]
+                     [--trials N | --time-budget 10m] [--storage URL] [--tier both|system|kernels]
 
-With no arguments: the `small` preset, TPOT at batch 1, ten minutes in all. The study is stored
+With no arguments: the `small` preset, both tiers in ten minutes: first the kernel tier on the
+model's own call sites (every distinct linear shape, the fused MoE with its experts and top-k, MLA
+decode and extend attention with its heads; token buckets 1–512, attention by batch × context),
+whose per-bucket winners become the profile's [kernel_tables], then the system tier (TPOT at batch
+1) on top of those tables. The budget split is printed (--kernel-share). The studies are stored
 (SQLite in the results folder, or --storage, e.g. postgresql://user@host/db) and resumed by name:
 Ctrl-C stops cleanly, and the next run goes on where it stopped.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import time
 from datetime import datetime, timezone
@@ -31,7 +36,10 @@ def add_parser(sub) -> None:
     a.add_argument("--model", default="small", help="preset name or checkpoint directory")
     a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a.add_argument("--objective", default="tpot", choices=["tpot", "ttft", "throughput", "pareto"])
-    a.add_argument("--tier", default="system", choices=["system", "kernels"])
+    a.add_argument("--tier", default="both", choices=["both", "system", "kernels"],
+                   help="both (default): the kernel tier on the model's shapes, then the system tier on its tables")
+    a.add_argument("--kernel-share", type=float, default=0.4,
+                   help="tier both: the kernel tier's share of the time budget (default 0.4)")
     budget = a.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=int, help="trials in the study in all (a rerun does the rest)")
     budget.add_argument("--time-budget", type=parse_duration, help="wall time of this run (default 10m)")
@@ -43,6 +51,8 @@ def add_parser(sub) -> None:
     a.add_argument("--latency-limit", type=float, default=10.0, help="most s/token (throughput)")
     a.add_argument("--op", action="append", help="kernel tier: only this op (repeatable)")
     a.add_argument("--format", action="append", help="kernel tier: only this weight format (repeatable)")
+    a.add_argument("--token-buckets", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16, 64, 512],
+                   help="kernel tier: token buckets of linear and fused MoE (default 1,4,16,64,512)")
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--seed", type=int)
     a.set_defaults(func=run_autotune)
@@ -55,8 +65,20 @@ def run_autotune(args) -> int:
 
     cfg = TuneConfig(trials=args.trials, repeats=args.repeats, seed=args.seed,
                      time_budget_s=None if budget is None else budget)
+    if not 0 < args.kernel_share < 1:
+        raise MoetuneError(f"--kernel-share must be between 0 and 1, got {args.kernel_share}")
     if args.tier == "kernels":
         return _kernels(args, cfg, t0)
+    if args.tier == "system":
+        return _system(args, cfg, t0)
+    total = cfg.time_budget_s
+    if total is not None:
+        print(f"budget {total:.0f} s: kernel tier {args.kernel_share * total:.0f} s, "
+              f"system tier {(1 - args.kernel_share) * total:.0f} s")
+    kcfg = dataclasses.replace(cfg, time_budget_s=None if total is None else args.kernel_share * total)
+    rc = _kernels(args, kcfg, t0)
+    if rc:
+        return rc
     return _system(args, cfg, t0)
 
 
@@ -78,9 +100,13 @@ def _system(args, cfg, t0: float) -> int:
     from tuner.space import SearchSpace
 
     mkey = _model_key(args)
-    obj = SystemObjective(args.objective, args.model, args.dtype, args.prompt_len, args.decode,
-                          args.batch, args.latency_limit, format=mkey.rsplit("-", 1)[1])
     prior = find_profile(mkey)
+    obj = SystemObjective(args.objective, args.model, args.dtype, args.prompt_len, args.decode,
+                          args.batch, args.latency_limit, format=mkey.rsplit("-", 1)[1],
+                          kernel_tables=dict(prior.kernel_tables) if prior else None)
+    if prior and prior.kernel_tables:
+        print(f"system tier on top of the kernel tables of {prior.path} "
+              f"({sum(len(r) for r in prior.kernel_tables.values())} rows)")
     space = SearchSpace.from_catalogue()
     hw = fingerprint()["hardware_key"]
     name = args.study or f"{obj.name}-{mkey}-{hw}-p{args.prompt_len}d{args.decode}"
@@ -102,29 +128,75 @@ def _system(args, cfg, t0: float) -> int:
 
 
 def _kernels(args, cfg, t0: float) -> int:
+    """The kernel tier on the model's own call sites; the winners go to the profile's [kernel_tables]."""
+    from engine.llm import LLM
+    from tuner.cpu_ops import model_ops
     from tuner.fingerprint import fingerprint
-    from tuner.kernel_tier import kernel_ops, tune_op
+    from tuner.kernel_tier import tune_op
     from tuner.profile import Profile, load_profile, profile_path, save_profile
 
-    ops = {n: op for n, op in kernel_ops().items() if not args.op or n in args.op}
+    llm = LLM(args.model, dtype=args.dtype, profile=None, progress=True)
+    if llm.knobs["kernel_backend"] != "cpu":
+        raise MoetuneError(f"the kernel tier tunes the cpu backend's ops; this machine runs the "
+                           f"{llm.knobs['kernel_backend']} backend")
+    mkey = llm.model_key
+    ops = model_ops(llm.kernel_plan, token_buckets=tuple(args.token_buckets), ops=args.op, formats=args.format)
+    del llm
     if not ops:
-        raise MoetuneError(f"no kernel op to tune (registered: {', '.join(kernel_ops()) or 'none'}; the "
-                           "kernel tier needs a backend whose ops take tile knobs, see tuner/kernel_tier.py)")
-    studies = sum(len([f for f in op.formats if not args.format or f in args.format]) * len(op.buckets)
-                  for op in ops.values())
-    if cfg.time_budget_s is not None:
-        cfg.time_budget_s = max(0.0, cfg.time_budget_s - (time.monotonic() - t0)) / max(1, studies)
+        raise MoetuneError(f"no kernel op to tune for {mkey} (ops: linear, fused_moe, cpu_mla_decode, "
+                           f"cpu_extend_attention; formats: those of the model's weights)")
+    from tuner.kernel_tier import study_budgets
+
+    studies = sum(len(op.formats) * len(op.buckets) for op in ops)
+    budget, budgets = cfg.time_budget_s, None
+    if budget is not None:
+        budget = max(0.0, budget - (time.monotonic() - t0))
+        budgets = study_budgets(ops, budget)
+    print(f"kernel tier: {studies} studies ({', '.join(sorted({op.name for op in ops}))}) on {mkey}"
+          + (f", {budget:.0f} s split by each call's estimated time ({min(budgets.values()):.1f}–"
+             f"{max(budgets.values()):.1f} s a study)" if budgets else ""))
+    gains: list[tuple[str, str, dict, float]] = []
 
     def show(fmt, bucket, result, tuner):
-        print(f"\n{tuner.study_name}:{gain_table(result, tuner)}")
+        win = result.winner
+        gain = win.gain("time_s")["median"] if (win and result.kept) else 0.0
+        gains.append((tuner.study_name, fmt, bucket, gain))
 
-    tables = {name: tune_op(op, cfg, args.storage, args.format, show) for name, op in ops.items()}
-    mkey = _model_key(args)
+    tables: dict[str, list] = {}
+    from tqdm import tqdm
+
+    with tqdm(total=studies, desc="kernel tier", unit="study", dynamic_ncols=True) as bar:
+        def step(fmt, bucket, result, tuner):
+            show(fmt, bucket, result, tuner)
+            bar.update(1)
+            bar.set_postfix_str(f"{tuner.study_name.removeprefix('kernel-')}: {gains[-1][3]:+.1%}", refresh=False)
+
+        for op in ops:
+            quiet = dataclasses.replace(cfg, progress=False)
+            rows = tune_op(op, quiet, args.storage, None, step, budgets)
+            defaults = {k: v for k, v in _op_defaults(op).items()}
+            tables.setdefault(op.name, []).extend(
+                {k: v for k, v in row.items() if k not in defaults or defaults[k] != v} for row in rows)
+    print(kernel_gain_table(gains))
     path = profile_path(fingerprint()["hardware_key"], mkey)
     prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))
     prof.kernel_tables.update(tables)  # the system tier's knobs in the same profile are kept
     print(f"kernel tables for {', '.join(tables)}: {save_profile(prof, path)}")
     return 0
+
+
+def _op_defaults(op) -> dict:
+    from engine.knobs import CATALOGUE
+
+    return {k: CATALOGUE[k].default for k in op.knobs}
+
+
+def kernel_gain_table(gains) -> str:
+    """Per op, format, shape and bucket: the kept configuration's gain over the defaults (0: defaults kept)."""
+    lines = ["", f"{'study':60s} {'gain':>8s}"]
+    for name, fmt, bucket, gain in gains:
+        lines.append(f"{name.removeprefix('kernel-'):60s} {gain:+8.1%}")
+    return "\n".join(lines)
 
 
 def _meta(mkey: str, objective: str, study: str | None, gain: dict, spread: dict, **more) -> dict:

@@ -31,8 +31,8 @@ def quantized(w: torch.Tensor, fmt: str):
     """A float32 weight [..., N, K] in `fmt` (kernels.formats)."""
     from kernels import formats
 
-    if fmt == "bf16":
-        return formats.DenseWeight(w.to(torch.bfloat16))
+    if fmt in ("bf16", "f32"):
+        return formats.DenseWeight(w.to(torch.bfloat16 if fmt == "bf16" else torch.float32))
     return {"int8": formats.quantize_int8_channel, "fp8": formats.quantize_fp8_block,
             "int4": formats.quantize_int4_group}[fmt](w)
 
@@ -40,94 +40,147 @@ def quantized(w: torch.Tensor, fmt: str):
 def _linear_inputs(bucket: dict, fmt: str) -> tuple:
     import kernels.cpu as cpu
 
+    n, k = bucket.get("n", N_LINEAR), bucket.get("k", D)
     g = torch.Generator().manual_seed(bucket["tokens"])
-    w = quantized(torch.randn(N_LINEAR, D, generator=g) * 0.02, fmt)
-    return torch.randn(bucket["tokens"], D, generator=g).to(torch.bfloat16), cpu.prepare(w), w
+    w = quantized(torch.randn(n, k, generator=g) * 0.02, fmt)
+    return torch.randn(bucket["tokens"], k, generator=g).to(_act_dtype(fmt)), cpu.prepare(w), w
 
 
 def _moe_inputs(bucket: dict, fmt: str) -> tuple:
     import kernels.cpu as cpu
 
-    t = bucket["tokens"]
+    t, e, i, d, topk = (bucket.get(f, v) for f, v in
+                        (("tokens", 1), ("experts", E), ("inter", I), ("hidden", D), ("topk", TOPK)))
     g = torch.Generator().manual_seed(t)
-    w13 = quantized(torch.randn(E, 2 * I, D, generator=g) * 0.02, fmt)
-    w2 = quantized(torch.randn(E, D, I, generator=g) * 0.02, fmt)
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, TOPK, generator=g), -1)
-    x = torch.randn(t, D, generator=g).to(torch.bfloat16)
+    w13 = quantized(torch.randn(e, 2 * i, d, generator=g) * 0.02, fmt)
+    w2 = quantized(torch.randn(e, d, i, generator=g) * 0.02, fmt)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, topk, generator=g), -1)
+    x = torch.randn(t, d, generator=g).to(_act_dtype(fmt))
     return x, cpu.prepare(w13), cpu.prepare(w2), weights, ids, w13, w2
 
 
+def _act_dtype(fmt: str) -> torch.dtype:
+    return torch.float32 if fmt == "f32" else torch.bfloat16
+
+
+BITS = {"f32": 32, "bf16": 16, "int8": 8, "fp8": 8, "int4": 4}
+
+
 def _linear_work(bucket: dict, fmt: str) -> dict:
-    bits = {"bf16": 16, "int8": 8, "fp8": 8, "int4": 4}[fmt]
-    return {"bytes": N_LINEAR * D * bits // 8, "flops": 2 * bucket["tokens"] * N_LINEAR * D}
+    n, k = bucket.get("n", N_LINEAR), bucket.get("k", D)
+    return {"bytes": n * k * BITS[fmt] // 8, "flops": 2 * bucket["tokens"] * n * k}
 
 
 def _moe_work(bucket: dict, fmt: str) -> dict:
-    bits = {"bf16": 16, "int8": 8, "fp8": 8, "int4": 4}[fmt]
-    touched = min(E, bucket["tokens"] * TOPK)
-    return {"bytes": touched * 3 * I * D * bits // 8, "flops": 2 * bucket["tokens"] * TOPK * 3 * I * D}
+    e, i, d, topk = (bucket.get(f, v) for f, v in (("experts", E), ("inter", I), ("hidden", D), ("topk", TOPK)))
+    touched = min(e, bucket["tokens"] * topk)
+    return {"bytes": touched * 3 * i * d * BITS[fmt] // 8, "flops": 2 * bucket["tokens"] * topk * 3 * i * d}
 
 
 def _mla_inputs(bucket: dict, fmt: str) -> tuple:
     b, context = bucket["batch"], bucket["context"]
+    heads, r, p = bucket.get("heads", HEADS), bucket.get("rank", R), bucket.get("rope", P)
     g = torch.Generator().manual_seed(b * context)
     per_seq = -(-context // BLOCK)
-    cache = torch.randn(b * per_seq, BLOCK, R + P, generator=g).to(torch.bfloat16)
+    cache = torch.randn(b * per_seq, BLOCK, r + p, generator=g).to(_act_dtype(fmt))
     tables = torch.randperm(b * per_seq, generator=g).to(torch.int32).view(b, per_seq)
     lens = torch.full((b,), context, dtype=torch.int32)
-    q_lat, q_pe = (torch.randn(b, HEADS, n, generator=g).to(torch.bfloat16) for n in (R, P))
-    return q_lat, q_pe, cache, tables, lens, DK ** -0.5
+    q_lat, q_pe = (torch.randn(b, heads, n, generator=g).to(_act_dtype(fmt)) for n in (r, p))
+    return q_lat, q_pe, cache, tables, lens, (p + 128) ** -0.5
 
 
 def _mla_work(bucket: dict, fmt: str) -> dict:
+    heads, r, p = bucket.get("heads", HEADS), bucket.get("rank", R), bucket.get("rope", P)
     keys = bucket["batch"] * bucket["context"]
-    return {"bytes": keys * (R + P) * 2, "flops": keys * HEADS * (2 * (R + P) + 2 * R)}
+    return {"bytes": keys * (r + p) * BITS[fmt] // 8, "flops": keys * heads * (2 * (r + p) + 2 * r)}
 
 
 def _extend_inputs(bucket: dict, fmt: str) -> tuple:
     t = bucket["tokens"]
+    heads, dk, dv = bucket.get("heads", HEADS), bucket.get("dk", DK), bucket.get("dv", DV)
     g = torch.Generator().manual_seed(t)
-    q, k, v = (torch.randn(t, HEADS, d, generator=g).to(torch.bfloat16) for d in (DK, DK, DV))
-    return q, k, v, DK ** -0.5
+    q, k, v = (torch.randn(t, heads, d, generator=g).to(_act_dtype(fmt)) for d in (dk, dk, dv))
+    return q, k, v, dk ** -0.5
 
 
 def _extend_work(bucket: dict, fmt: str) -> dict:
     t = bucket["tokens"]
-    return {"bytes": 2 * t * HEADS * (2 * DK + 2 * DV), "flops": HEADS * (DK + DV) * t * (t + 1)}
+    heads, dk, dv = bucket.get("heads", HEADS), bucket.get("dk", DK), bucket.get("dv", DV)
+    return {"bytes": BITS[fmt] // 8 * t * heads * (2 * dk + 2 * dv), "flops": heads * (dk + dv) * t * (t + 1)}
+
+
+def _registered(names) -> dict[str, tuple[str, ...]]:
+    """Each kernel-tier op's knobs: the backend's declaration of what each op reads (OP_KNOBS)."""
+    from kernels.cpu_knobs import OP_KNOBS
+
+    return {"linear": OP_KNOBS["linear"], "fused_moe": OP_KNOBS["fused_moe"],
+            "cpu_mla_decode": OP_KNOBS["mla_decode"],
+            "cpu_extend_attention": tuple(n for n in OP_KNOBS["extend_attention"] if n in EXTEND_KNOBS)}
+
+
+def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelOp:
+    import kernels.cpu as cpu
+    from kernels import reference
+
+    if name == "linear":
+        return KernelOp("linear", knobs, formats, buckets, _linear_inputs,
+                        run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
+                        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work)
+    if name == "fused_moe":
+        return KernelOp("fused_moe", knobs, formats, buckets, _moe_inputs,
+                        run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
+                        reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2,
+                        rtol=3e-2, work=_moe_work)
+    if name == "cpu_mla_decode":
+        return KernelOp("cpu_mla_decode", knobs, formats, buckets, _mla_inputs,
+                        run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
+                        atol=1e-2, rtol=1e-2, work=_mla_work)
+    return KernelOp("cpu_extend_attention", knobs, formats, buckets, _extend_inputs,
+                    run=lambda a, **k: cpu.extend_attention(*a, knobs=k),
+                    reference=lambda a: reference.extend_attention(*a), atol=1e-2, rtol=1e-2, work=_extend_work)
 
 
 def register_cpu_ops() -> bool:
-    """Register linear, fused_moe, cpu_mla_decode and cpu_extend_attention when the cpu backend runs
-    here; False (and nothing) otherwise."""
+    """Register linear, fused_moe, cpu_mla_decode and cpu_extend_attention (the `small` preset's
+    shapes, 8 experts) when the cpu backend runs here; False (and nothing) otherwise."""
     try:
-        import kernels.cpu as cpu
-        from kernels import reference
+        import kernels.cpu  # noqa: F401
     except ImportError:
         return False
-    names = tuple(n for n in getattr(cpu, "KNOB_DEFAULTS", {}) if n in CATALOGUE)
-    if not names:
-        return False
-    # the load-time knobs (cpu.LOAD_KNOBS) are read once by prepare(): not per-call tiles
-    weight_knobs = tuple(n for n in names if not n.startswith("cpu_attn_") and n not in cpu.LOAD_KNOBS)
-    linear_knobs = tuple(n for n in weight_knobs if n != "cpu_moe_block_n")  # each op: the tiles it reads
-    moe_knobs = tuple(n for n in weight_knobs if n != "cpu_linear_block_n")
-    register_kernel_op(KernelOp(
-        "linear", linear_knobs, FORMATS, BUCKETS, _linear_inputs,
-        run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
-        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work))
-    register_kernel_op(KernelOp(
-        "fused_moe", moe_knobs, FORMATS, BUCKETS, _moe_inputs,
-        run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
-        reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2, rtol=3e-2,
-        work=_moe_work))
-    if set(DECODE_KNOBS + EXTEND_KNOBS) <= set(names):
-        register_kernel_op(KernelOp(
-            "cpu_mla_decode", DECODE_KNOBS, ("bf16",), MLA_BUCKETS, _mla_inputs,
-            run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
-            atol=1e-2, rtol=1e-2, work=_mla_work))
-        register_kernel_op(KernelOp(
-            "cpu_extend_attention", EXTEND_KNOBS, ("bf16",), EXTEND_BUCKETS, _extend_inputs,
-            run=lambda a, **k: cpu.extend_attention(*a, knobs=k), reference=lambda a: reference.extend_attention(*a),
-            atol=1e-2, rtol=1e-2, work=_extend_work))
+    knobs = _registered(CATALOGUE)
+    register_kernel_op(_make_op("linear", knobs["linear"], FORMATS, BUCKETS))
+    register_kernel_op(_make_op("fused_moe", knobs["fused_moe"], FORMATS, BUCKETS))
+    register_kernel_op(_make_op("cpu_mla_decode", knobs["cpu_mla_decode"], ("bf16",), MLA_BUCKETS))
+    register_kernel_op(_make_op("cpu_extend_attention", knobs["cpu_extend_attention"], ("bf16",), EXTEND_BUCKETS))
     return True
+
+
+# The model's own shapes: token buckets that decode and prefill use; attention by batch × context.
+TOKEN_BUCKETS = (1, 4, 16, 64, 512)
+HEAD_BUCKETS = (1, 4, 16)  # the LM head sees one row per sequence
+MLA_MODEL_BUCKETS = ((1, 128), (1, 2048), (4, 2048), (1, 8192))
+EXTEND_MODEL_BUCKETS = (16, 128, 512)
+
+
+def model_ops(sites, token_buckets=TOKEN_BUCKETS, ops=None, formats=None) -> list[KernelOp]:
+    """Kernel-tier ops on a loaded model's own call sites (`LLM.kernel_plan`): one op per (op,
+    format), its buckets every distinct shape × the token buckets (MLA decode: batch × context),
+    so the tables it yields match the sites by shape (engine/kernel_tables.py)."""
+    knobs = _registered(CATALOGUE)
+    groups: dict[tuple, list] = {}
+    for site in sites:
+        name = {"linear": "linear", "fused_moe": "fused_moe", "mla_decode": "cpu_mla_decode",
+                "extend_attention": "cpu_extend_attention"}[site.op]
+        if (ops and name not in ops) or (formats and site.format not in formats):
+            continue
+        shape = dict(site.shape)
+        if name == "cpu_mla_decode":
+            buckets = [{**shape, "batch": b, "context": c} for b, c in MLA_MODEL_BUCKETS]
+        elif name == "cpu_extend_attention":
+            buckets = [{**shape, "tokens": t} for t in EXTEND_MODEL_BUCKETS]
+        else:
+            tokens = [t for t in token_buckets if t <= max(HEAD_BUCKETS)] if "lm_head" in site.names else token_buckets
+            buckets = [{**shape, "tokens": t} for t in tokens]
+        groups.setdefault((name, site.format), []).extend(buckets)
+    return [_make_op(name, knobs[name], (fmt,), tuple(buckets)) for (name, fmt), buckets in groups.items()]

@@ -112,14 +112,40 @@ class KernelObjective:
         return timed
 
 
+def estimated_seconds(op: KernelOp, fmt: str, bucket: dict, read_bw: float = 20e9, peak: float = 200e9) -> float:
+    """A rough time of one call from the op's work (bytes at `read_bw`, flops at `peak`): what the
+    kernel tier weighs its studies' budgets by."""
+    work = op.work(bucket, fmt) if op.work else {}
+    return work.get("bytes", 0) / read_bw + work.get("flops", 0) / peak
+
+
+def study_budgets(ops: list[KernelOp], total_s: float, floor_s: float = 1.0) -> dict[tuple, float]:
+    """Split `total_s` over every (op, format, bucket) study in proportion to the square root of its
+    estimated call time (a slow call needs more time per trial and matters more to a step), each
+    at least `floor_s` when the total allows."""
+    keys = [(op.name, f, bucket_key(b), estimated_seconds(op, f, b)) for op in ops for f in op.formats
+            for b in op.buckets]
+    if not keys:
+        return {}
+    floor = min(floor_s, total_s / len(keys))
+    weights = [math.sqrt(max(est, 1e-6)) for *_, est in keys]
+    rest = total_s - floor * len(keys)
+    return {k[:3]: floor + rest * w / sum(weights) for k, w in zip(keys, weights)}
+
+
 def tune_op(op: KernelOp, cfg: TuneConfig, storage: str | None = None, formats=None,
-            on_result: Callable | None = None) -> list[dict]:
+            on_result: Callable | None = None, budgets: dict | None = None) -> list[dict]:
     """Tune every format (or those of `formats`) × bucket of `op`; returns its table rows
-    {format, bucket..., knobs...}; `on_result(fmt, bucket, result, tuner)` sees each study's end."""
+    {format, bucket..., knobs...}; `on_result(fmt, bucket, result, tuner)` sees each study's end.
+    budgets: (op name, format, bucket key) → seconds for that study (else cfg's budget each)."""
+    import dataclasses
+
     rows = []
     for fmt in [f for f in op.formats if not formats or f in formats]:
         for bucket in op.buckets:
             obj = KernelObjective(op, fmt, bucket)
+            if budgets is not None:
+                cfg = dataclasses.replace(cfg, time_budget_s=budgets[(op.name, fmt, bucket_key(bucket))])
             space = SearchSpace.from_catalogue(list(op.knobs), catalogue=op.catalogue, exclude_components=())
             tuner = Tuner(space, obj, cfg, storage, suite="kernels-autotune",
                           study_name=f"kernel-{op.name}-{fmt}-{bucket_key(bucket)}")

@@ -56,6 +56,7 @@ class SystemObjective:
     latency_limit_s: float = 10.0  # throughput only: most seconds per output token
     format: str = ""
     workload: dict = field(default_factory=dict)
+    kernel_tables: dict | None = None  # the kernel tier's tables: every trial runs on top of them
 
     def __post_init__(self):
         if self.kind not in METRICS:
@@ -76,7 +77,7 @@ class SystemObjective:
         """Build the engine with `knobs`; the runner does one request (or one batch) per call."""
         from engine.llm import LLM
 
-        llm = LLM(self.model, dtype=self.dtype, knobs=knobs, progress=False)
+        llm = LLM(self.model, dtype=self.dtype, knobs=knobs, progress=False, kernel_tables=self.kernel_tables)
         threads = llm.knobs["threads"]
         if self.kind == "throughput":
             prompts = [self.prompt(llm.config.vocab_size, seed) for seed in range(self.batch)]
