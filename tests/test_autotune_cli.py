@@ -30,7 +30,8 @@ def test_interrupt_resume_profile_report(tmp_path):
     env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "results"),
            "MOETUNE_PROFILES": str(tmp_path / "profiles"), "PYTHONPATH": str(ROOT)}
     url = f"sqlite:///{tmp_path}/study.sqlite3"
-    common = ["autotune", "--model", "tiny", "--repeats", "1", "--storage", url, "--study", "cli", "--seed", "0"]
+    common = ["autotune", "--model", "tiny", "--tier", "system", "--repeats", "1", "--storage", url, "--study", "cli",
+              "--seed", "0"]
     p = moetune(*common, "--trials", "200", env=env)
     deadline = time.monotonic() + 240
     while finished(url, "cli") < 3 and time.monotonic() < deadline and p.poll() is None:

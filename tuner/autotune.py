@@ -51,6 +51,8 @@ def add_parser(sub) -> None:
     a.add_argument("--latency-limit", type=float, default=10.0, help="most s/token (throughput)")
     a.add_argument("--op", action="append", help="kernel tier: only this op (repeatable)")
     a.add_argument("--format", action="append", help="kernel tier: only this weight format (repeatable)")
+    a.add_argument("--kernel-trials", type=int, default=8,
+                   help="kernel tier without a time budget (--trials): trials per op × shape × bucket study")
     a.add_argument("--token-buckets", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16, 64, 512],
                    help="kernel tier: token buckets of linear and fused MoE (default 1,4,16,64,512)")
     a.add_argument("--repeats", type=int, default=3)
@@ -68,14 +70,15 @@ def run_autotune(args) -> int:
     if not 0 < args.kernel_share < 1:
         raise MoetuneError(f"--kernel-share must be between 0 and 1, got {args.kernel_share}")
     if args.tier == "kernels":
-        return _kernels(args, cfg, t0)
+        return _kernels(args, cfg if budget is not None else dataclasses.replace(cfg, trials=args.kernel_trials), t0)
     if args.tier == "system":
         return _system(args, cfg, t0)
     total = cfg.time_budget_s
     if total is not None:
         print(f"budget {total:.0f} s: kernel tier {args.kernel_share * total:.0f} s, "
               f"system tier {(1 - args.kernel_share) * total:.0f} s")
-    kcfg = dataclasses.replace(cfg, time_budget_s=None if total is None else args.kernel_share * total)
+    kcfg = dataclasses.replace(cfg, time_budget_s=None if total is None else args.kernel_share * total,
+                               trials=args.kernel_trials if total is None else None)
     rc = _kernels(args, kcfg, t0)
     if rc:
         return rc
@@ -173,7 +176,12 @@ def _kernels(args, cfg, t0: float) -> int:
 
         for op in ops:
             quiet = dataclasses.replace(cfg, progress=False)
-            rows = tune_op(op, quiet, args.storage, None, step, budgets)
+            try:
+                rows = tune_op(op, quiet, args.storage, None, step, budgets)
+            except KeyboardInterrupt:
+                bar.close()
+                print("kernel tier stopped; rerun the same command to resume (finished studies are kept)")
+                return 130
             defaults = {k: v for k, v in _op_defaults(op).items()}
             tables.setdefault(op.name, []).extend(
                 {k: v for k, v in row.items() if k not in defaults or defaults[k] != v} for row in rows)
