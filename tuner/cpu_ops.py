@@ -8,8 +8,14 @@ is checked and timed in seconds; the verify step compares with kernels.reference
 quantized weights. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
 cache R = 512, P = 64 in shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128,
 no prefix), bf16 queries.
+
+The ISA knobs (cpu_int8_isa, cpu_bf16_isa) are searched over the variants that run natively here
+("auto" and those cpu.runnable_choices names): the ops' catalogue narrows their choices, so no trial
+asks for an instruction the CPU lacks (it would only measure the fallback again).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -97,6 +103,15 @@ def _extend_work(bucket: dict, fmt: str) -> dict:
     return {"bytes": 2 * t * HEADS * (2 * DK + 2 * DV), "flops": HEADS * (DK + DV) * t * (t + 1)}
 
 
+def runnable_catalogue(cpu) -> dict:
+    """The catalogue with each ISA knob's choices narrowed to the variants this machine runs."""
+    cat = dict(CATALOGUE)
+    for name in cpu.ISA_KNOBS:
+        if name in cat:
+            cat[name] = dataclasses.replace(cat[name], choices=cpu.runnable_choices(name))
+    return cat
+
+
 def register_cpu_ops() -> bool:
     """Register linear, fused_moe, cpu_mla_decode and cpu_extend_attention when the cpu backend runs
     here; False (and nothing) otherwise."""
@@ -111,16 +126,18 @@ def register_cpu_ops() -> bool:
     # the load-time knobs (cpu.LOAD_KNOBS) are read once by prepare(): not per-call tiles
     weight_knobs = tuple(n for n in names if not n.startswith("cpu_attn_") and n not in cpu.LOAD_KNOBS)
     linear_knobs = tuple(n for n in weight_knobs if n != "cpu_moe_block_n")  # each op: the tiles it reads
+    catalogue = runnable_catalogue(cpu)
     moe_knobs = tuple(n for n in weight_knobs if n != "cpu_linear_block_n")
     register_kernel_op(KernelOp(
         "linear", linear_knobs, FORMATS, BUCKETS, _linear_inputs,
         run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
-        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work))
+        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work,
+        catalogue=catalogue))
     register_kernel_op(KernelOp(
         "fused_moe", moe_knobs, FORMATS, BUCKETS, _moe_inputs,
         run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
         reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2, rtol=3e-2,
-        work=_moe_work))
+        work=_moe_work, catalogue=catalogue))
     if set(DECODE_KNOBS + EXTEND_KNOBS) <= set(names):
         register_kernel_op(KernelOp(
             "cpu_mla_decode", DECODE_KNOBS, ("bf16",), MLA_BUCKETS, _mla_inputs,
