@@ -9,7 +9,11 @@ and flags, so a changed source rebuilds and an unchanged one loads in millisecon
 takes about a minute on two cores and shows a spinner on stderr.
 
 The kernels need AVX-512 F/BW/VL/DQ; `load()` refuses (ImportError, with the reason) on a CPU
-without them, before compiling anything. Nothing here imports the engine.
+without them, before compiling anything. The global flags name only those: the variants on newer
+instructions (AVX512-VNNI, AVX512-BF16, AMX) are compiled with function-level target attributes
+(csrc/dot.h, micro_dot.inc, amx.cpp) and chosen at run time by cpuid (csrc/isa.cpp), so an
+extension built on one machine runs on any AVX-512 CPU. Never add -mavx512vnni / -mavx512bf16 /
+-mamx-* to CFLAGS. Nothing here imports the engine.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "cpu" / "csrc"
 SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_int8.cpp", "micro_fp8.cpp", "micro_int4.cpp",
-           "matmul.cpp", "moe.cpp", "attention.cpp", "small_ops.cpp", "probe.cpp", "amx.cpp", "bindings.cpp")
-HEADERS = ("common.h", "micro.h", "ops.h")
+           "matmul.cpp", "moe.cpp", "attention.cpp", "small_ops.cpp", "probe.cpp", "amx.cpp", "isa.cpp", "bindings.cpp")
+HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "micro_dot.inc")
 REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-fopenmp",
           "-ffp-contract=off", "-Wno-unused-variable"]

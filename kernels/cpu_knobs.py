@@ -43,6 +43,18 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert), BF16 and INT8 weights: from this many rows the "
          "GEMM runs on AMX tiles where the CPU has AMX (inert elsewhere)", low=1, high=4096, log=True),
+    Knob("cpu_int8_isa", str, "auto", "kernels/cpu",
+         "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
+         "vpdpbusd (AVX512-VNNI) on activations + 128 (64 products per instruction, exact), avx512: "
+         "vpmaddwd / vpmaddubsw (any AVX-512 CPU), auto: vnni where the CPU has it. A variant the CPU "
+         "lacks falls back to avx512 at the call (the call record says which ran)",
+         choices=("auto", "avx512", "vnni")),
+    Knob("cpu_bf16_isa", str, "auto", "kernels/cpu",
+         "CPU BF16 and FP8 weights, microkernels: the dot-product instruction; avx512bf16: vdpbf16ps "
+         "(AVX512-BF16) on activations rounded to bf16 (FP8: expanded to bf16 in registers), avx512: "
+         "float32 FMAs, auto: avx512bf16 where the CPU has it and the activations are bf16 already "
+         "(then nothing is rounded that the model did not round). Falls back to avx512 where the CPU "
+         "lacks it", choices=("auto", "avx512", "avx512bf16")),
     Knob("cpu_huge_pages", bool, False, "kernels/cpu",
          "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
          "transparent huge pages (fewer TLB misses while streaming experts from DRAM; measured both "
@@ -74,6 +86,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
 
 # read once by prepare() at load, not per call
 LOAD_KNOBS = ("cpu_huge_pages",)
+# read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
+PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
+# the instruction-variant knobs (resolved at the call against the CPU's features)
+ISA_KNOBS = ("cpu_int8_isa", "cpu_bf16_isa")
 # read by the attention kernels (the others by linear / fused MoE)
 ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))
 

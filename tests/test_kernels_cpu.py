@@ -16,7 +16,10 @@ Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
   reference fed its quantized activations within 2e-5;
 - bfloat16 activations: 1e-2 for linear (both round the output to bf16), 2e-2 for fused MoE (the
   reference also rounds the gate/up output to bf16 before SiLU, the kernel keeps float32); the
-  INT4 int8 method's 1.5e-2 where larger.
+  INT4 int8 method's 1.5e-2 where larger;
+- cpu_bf16_isa=avx512bf16 forced on float32 activations (BF16 / FP8 weights, where the CPU has
+  AVX512-BF16): 1e-2, the bf16 bound (the activations are rounded to bf16; measured 1.5e-3 to 1.8e-3;
+  tests/test_isa.py checks the rest of that path to 2e-5).
 Plus: the engine's logits with this backend still match transformers (the bf16 bound of
 test_oracle_transformers).
 """
@@ -40,6 +43,10 @@ TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2,
 def tight(fmt: str, knobs: dict | None = None, op: str = "linear") -> float:
     """The float32-activation bound of a format for an op (see the module docstring)."""
     method = (knobs or {}).get("cpu_int4_method", cpu.KNOB_DEFAULTS["cpu_int4_method"])
+    bf16_isa = (knobs or {}).get("cpu_bf16_isa", cpu.KNOB_DEFAULTS["cpu_bf16_isa"])
+    if (bf16_isa == "avx512bf16" and fmt in ("bf16", "fp8")
+            and cpu.isa_variants()["cpu_bf16_isa"]["avx512bf16"] != "unavailable"):
+        return BF16_LINEAR
     if method == "int8" and fmt == "int4_g128":
         return INT4_INT8_MOE if op == "fused_moe" else INT4_INT8
     if method in ("int16", "int8") and fmt in ("int4_g64_asym", "int4_g128"):

@@ -8,8 +8,14 @@ is checked and timed in seconds; the verify step compares with kernels.reference
 quantized weights. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
 cache R = 512, P = 64 in shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128,
 no prefix), bf16 queries.
+
+The ISA knobs (cpu_int8_isa, cpu_bf16_isa) are searched over the variants that run natively here
+("auto" and those cpu.runnable_choices names): the ops' catalogue narrows their choices, so no trial
+asks for an instruction the CPU lacks (it would only measure the fallback again).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -126,12 +132,13 @@ def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelO
     if name == "linear":
         return KernelOp("linear", knobs, formats, buckets, _linear_inputs,
                         run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
-                        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work)
+                        reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work,
+                        catalogue=runnable_catalogue(cpu))
     if name == "fused_moe":
         return KernelOp("fused_moe", knobs, formats, buckets, _moe_inputs,
                         run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
                         reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2,
-                        rtol=3e-2, work=_moe_work)
+                        rtol=3e-2, work=_moe_work, catalogue=runnable_catalogue(cpu))
     if name == "cpu_mla_decode":
         return KernelOp("cpu_mla_decode", knobs, formats, buckets, _mla_inputs,
                         run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
@@ -139,6 +146,15 @@ def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelO
     return KernelOp("cpu_extend_attention", knobs, formats, buckets, _extend_inputs,
                     run=lambda a, **k: cpu.extend_attention(*a, knobs=k),
                     reference=lambda a: reference.extend_attention(*a), atol=1e-2, rtol=1e-2, work=_extend_work)
+
+
+def runnable_catalogue(cpu) -> dict:
+    """The catalogue with each ISA knob's choices narrowed to the variants this machine runs."""
+    cat = dict(CATALOGUE)
+    for name in cpu.ISA_KNOBS:
+        if name in cat:
+            cat[name] = dataclasses.replace(cat[name], choices=cpu.runnable_choices(name))
+    return cat
 
 
 def register_cpu_ops() -> bool:

@@ -7,37 +7,72 @@ INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wr
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
 
-Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`): set once by `configure(knobs)`, or per call with
-`knobs={...}` on linear / fused_moe (the tests and the kernel suite sweep them that way).
+Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
+one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
+pybind11; string choices as enums named by the choice strings). At import the field set and every
+enum are checked against the declarations, so a mismatch cannot load; C++ holds no defaults. Set
+the backend's values once by `configure(knobs)`; per call, `knobs=` takes a dict of overrides (the
+tests and the suites sweep them that way) or a struct from `make_knobs(values)` used as is (build
+it once per layer shape and token bucket: the call then converts nothing).
+
+`with recording() as rec:` makes each call append what it used (op, format, tokens, knobs by name,
+the instruction variants run). ISA variants (cpu_int8_isa: vpdpbusd; cpu_bf16_isa: vdpbf16ps) are
+resolved at the call against cpuid under a feature mask (`feature_mask(...)`); `emulate(...)` runs
+them on C++ models of the instructions (tests), `isa_variants()` says which run here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from kernels import reference
 from kernels.cpu_build import load as _load
-from kernels.cpu_knobs import ATTN_KNOBS, CPU_KNOBS, LOAD_KNOBS  # noqa: F401 - re-exported
+from kernels.cpu_knobs import ATTN_KNOBS, CPU_KNOBS, ISA_KNOBS, LOAD_KNOBS, PER_CALL_KNOBS  # noqa: F401 - re-exported
 from kernels.formats import DenseWeight, Fp8BlockWeight, Int4GroupWeight, Int8ChannelWeight
 
 _ext = _load()  # ImportError (with the reason) where the kernels cannot run or build
 
 # Knob name → default, from the declarations (kernels/cpu_knobs.py): the one source.
 KNOB_DEFAULTS: dict[str, Any] = {k.name: k.default for k in CPU_KNOBS}
-FP8_METHODS = {"vector": 0, "lut": 1, "widen": 2}
-INT4_METHODS = {"float": 0, "int16": 1, "int8": 2}
+_DECLARED = {k.name: k for k in CPU_KNOBS}
 _knobs = dict(KNOB_DEFAULTS)
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
+FORMAT_NAMES = {v: k for k, v in FORMAT_IDS.items()}
 _EMPTY = torch.empty(0)
 
+# ---------------------------------------------------------------- knobs: the named struct
 
-def configure(knobs: dict) -> None:
-    """Adopt the `cpu_*` values of a resolved knob dict as this backend's defaults."""
-    _knobs.update({k: v for k, v in knobs.items() if k in KNOB_DEFAULTS})
+
+def _bind_knob_fields() -> dict[str, Any]:
+    """Per per-call knob, the converter of its value to the C++ field's type; ImportError when the
+    C++ struct's fields (_ext.Knobs) and the declarations differ, or a choice has no enum member."""
+    fields = {n for n, v in vars(_ext.Knobs).items() if isinstance(v, property)}
+    want = {n[len("cpu_"):] for n in PER_CALL_KNOBS}
+    if fields != want:
+        raise ImportError(f"kernels/cpu: the C++ Knobs fields and the per-call knobs of kernels/cpu_knobs.py differ: "
+                          f"only in C++ {sorted(fields - want)}, only declared {sorted(want - fields)}")
+    convert = {}
+    for name in PER_CALL_KNOBS:
+        knob, current = _DECLARED[name], getattr(_ext.Knobs(), name[len("cpu_"):])
+        members = getattr(type(current), "__members__", None)
+        if knob.type is str:
+            if members is None or set(members) != set(knob.choices):
+                raise ImportError(f"kernels/cpu: {name}'s choices {list(knob.choices)} ≠ the C++ enum's "
+                                  f"{sorted(members or [])}")
+            convert[name] = members.__getitem__
+        elif knob.type is int and members is None and isinstance(current, int):
+            convert[name] = int
+        else:
+            raise ImportError(f"kernels/cpu: {name} is a {knob.type.__name__} but its C++ field is {type(current).__name__}")
+    return convert
+
+
+_CONVERT = _bind_knob_fields()
 
 
 def _merged(overrides: dict | None) -> dict:
@@ -47,17 +82,143 @@ def _merged(overrides: dict | None) -> dict:
     return {**_knobs, **(overrides or {})}
 
 
-def _attn_knob_vector(overrides: dict | None) -> list[int]:
-    k = _merged(overrides)
-    return [int(k[n]) for n in ATTN_KNOBS]
+def make_knobs(values: dict | None = None) -> "_ext.Knobs":
+    """The C++ knob struct for `values` (cpu_* knobs, all or some) over this backend's configured ones.
+
+    Build it once per layer shape and token bucket and pass it as `knobs=`: a call then converts
+    nothing. KeyError for an unknown knob, ValueError for a choice the C++ enum lacks; ranges are
+    checked by the kernels at the call (RuntimeError)."""
+    merged = _merged({k: v for k, v in (values or {}).items() if k not in LOAD_KNOBS})
+    kn = _ext.Knobs()
+    for name in PER_CALL_KNOBS:
+        try:
+            setattr(kn, name[len("cpu_"):], _CONVERT[name](merged[name]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {merged[name]!r} is not one of {list(_DECLARED[name].choices or [])}") from e
+    return kn
 
 
-def _knob_vector(overrides: dict | None) -> list[int]:
-    k = _merged(overrides)
-    return [int(k["cpu_micro_rows"]), int(k["cpu_micro_tokens"]), int(k["cpu_linear_block_n"]),
-            int(k["cpu_moe_block_n"]), int(k["cpu_gemm_min_tokens"]), int(k["cpu_gemm_block_n"]),
-            FP8_METHODS[k["cpu_fp8_method"]], INT4_METHODS[k["cpu_int4_method"]], int(k["cpu_task_chunk"]),
-            int(k["cpu_amx_min_tokens"])]
+def knob_values(kn) -> dict[str, Any]:
+    """A knob struct as {cpu_* name: value} (choices as their strings)."""
+    out = {}
+    for name in PER_CALL_KNOBS:
+        v = getattr(kn, name[len("cpu_"):])
+        out[name] = v.name if hasattr(v, "name") and not isinstance(v, int) else v
+    return out
+
+
+_default_struct = make_knobs()
+
+
+def configure(knobs: dict) -> None:
+    """Adopt the `cpu_*` values of a resolved knob dict as this backend's defaults."""
+    global _default_struct
+    _knobs.update({k: v for k, v in knobs.items() if k in KNOB_DEFAULTS})
+    _default_struct = make_knobs()
+
+
+def _struct(knobs) -> "_ext.Knobs":
+    """A call's knobs: a prebuilt struct as is, None → the configured ones, a dict → its overrides."""
+    if knobs is None:
+        return _default_struct
+    if isinstance(knobs, _ext.Knobs):
+        return knobs
+    return make_knobs(knobs)
+
+
+# ---------------------------------------------------------------- call record
+
+_records: list | None = None  # the innermost recording() list, None when nothing records
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict]]:
+    """`with cpu.recording() as rec:` each linear / fused_moe / attention call of the cpu kernels in
+    the block appends {"op", "format", "tokens", "knobs" (cpu_* name → value it used), "isa" (the
+    instruction variants it ran, "+"-joined: avx512, vnni, vnni-model, avx512bf16, avx512bf16-model,
+    amx, blas)} to `rec`. Off (one global test per call) outside the block."""
+    global _records
+    previous, rec = _records, []
+    _records = rec
+    try:
+        yield rec
+    finally:
+        _records = previous
+
+
+def _record(op: str, fmt: str, tokens: int, kn) -> None:
+    _records.append({"op": op, "format": fmt, "tokens": int(tokens), "knobs": knob_values(kn),
+                     "isa": _ext.last_variant()})
+
+
+# ---------------------------------------------------------------- ISA features and dispatch
+
+FEATURES = {"avx512_vnni": 1, "avx512_bf16": 2, "amx": 4}  # the C++ feature bits (csrc/isa.cpp)
+EMULATED = ("avx512_vnni", "avx512_bf16")  # the features with a C++ model of their instructions
+# each ISA knob's variants → the feature it needs (None: any AVX-512 CPU)
+ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
+                "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
+
+
+def _names(bits: int) -> set[str]:
+    return {n for n, b in FEATURES.items() if bits & b}
+
+
+def _bits(names) -> int:
+    unknown = set(names) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown ISA features {sorted(unknown)}; known: {sorted(FEATURES)}")
+    return sum(FEATURES[n] for n in set(names))
+
+
+def detected_features() -> set[str]:
+    """The dot-product ISA cpuid reports here (AMX: and Linux grants the tile state)."""
+    return _names(_ext.detected_features())
+
+
+def features() -> set[str]:
+    """The features dispatch may use now: detected_features() under the feature mask."""
+    return _names(_ext.usable_features())
+
+
+@contextlib.contextmanager
+def feature_mask(allowed) -> Iterator[set[str]]:
+    """Within the block, dispatch uses only the features in `allowed` (names of FEATURES; process-wide,
+    for tests and portable runs): a variant needing another falls back as on a CPU without it."""
+    previous = _ext.feature_mask()
+    _ext.set_feature_mask(_bits(allowed))
+    try:
+        yield features()
+    finally:
+        _ext.set_feature_mask(previous)
+
+
+@contextlib.contextmanager
+def emulate(names) -> Iterator[None]:
+    """Within the block, the variants of these features (of EMULATED) run on the C++ models of their
+    instructions, whether or not the CPU has them (tests: the kernel logic on every machine)."""
+    bad = set(names) - set(EMULATED)
+    if bad:
+        raise ValueError(f"no C++ model for {sorted(bad)}; modelled: {list(EMULATED)}")
+    previous = _ext.emulated_features()
+    _ext.set_emulated_features(_bits(names))
+    try:
+        yield
+    finally:
+        _ext.set_emulated_features(previous)
+
+
+def isa_variants() -> dict[str, dict[str, str]]:
+    """Per ISA knob, each variant → "native" (runs here), "emulated" (on its C++ model, tests only)
+    or "unavailable" (the CPU lacks it: a call asking for it runs avx512)."""
+    have, emulated = features(), _names(_ext.emulated_features())
+    return {knob: {v: ("emulated" if need in emulated else "native" if need is None or need in have else "unavailable")
+                   for v, need in variants.items()} for knob, variants in ISA_VARIANTS.items()}
+
+
+def runnable_choices(knob: str) -> tuple[str, ...]:
+    """The values of an ISA knob whose variant runs natively here ("auto" always)."""
+    return ("auto",) + tuple(v for v, how in isa_variants()[knob].items() if how == "native")
 
 
 # ---------------------------------------------------------------- weights
@@ -91,7 +252,8 @@ def _pack(weight) -> tuple | None:
         fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.w.dtype)
         return None if fmt is None else (FORMAT_IDS[fmt], weight.w.contiguous(), n, k, _EMPTY, _EMPTY, 0, 1)
     if isinstance(weight, Int8ChannelWeight):
-        return (FORMAT_IDS["int8"], weight.w.contiguous(), n, k, weight.scale.float().contiguous(), _EMPTY, 0, 1)
+        w = weight.w.contiguous()  # and its row sums (int32): the VNNI kernels' +128 compensation
+        return (FORMAT_IDS["int8"], w, n, k, weight.scale.float().contiguous(), w.sum(-1, dtype=torch.int32), 0, 1)
     if isinstance(weight, Fp8BlockWeight):
         bn, bk = weight.block
         if bk % 32:
@@ -158,7 +320,11 @@ def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:
     if args is None or x.dtype not in (torch.float32, torch.bfloat16) or args[1].dim() != 2:
         return reference.linear(x, _orig(weight))
     n, k = args[2], args[3]
-    out = _ext.linear(x.reshape(-1, k), *args, _knob_vector(knobs))
+    kn = _struct(knobs)
+    x2 = x.reshape(-1, k)
+    out = _ext.linear(x2, *args, kn)
+    if _records is not None:
+        _record("linear", FORMAT_NAMES[args[0]], x2.shape[0], kn)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -170,8 +336,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, knobs: dict | None = None) -> 
     if not usable:
         return reference.fused_moe(x, _orig(w13), _orig(w2), topk_weights, topk_ids)
     fmt, w13t, n13, d, s13, z13, group, block_n = a13
+    kn = _struct(knobs)
     out = _ext.fused_moe(x.contiguous(), fmt, w13t, s13, z13, a2[1], a2[4], a2[5], n13 // 2, group, block_n,
-                         topk_weights.float().contiguous(), topk_ids.long().contiguous(), _knob_vector(knobs))
+                         topk_weights.float().contiguous(), topk_ids.long().contiguous(), kn)
+    if _records is not None:
+        _record("fused_moe", FORMAT_NAMES[fmt], x.shape[0], kn)
     return out.to(x.dtype)
 
 
@@ -223,9 +392,12 @@ def mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows=No
     q = torch.cat([q_lat.float(), q_pe.float()], dim=-1)
     rows = new_rows if new_rows is not None else _EMPTY
     where = slots.long().contiguous() if slots is not None else _EMPTY.long()
+    kn = _struct(knobs)
     out = _ext.attn_decode(q, kv_cache.unsqueeze(2), kv_cache[..., :r].unsqueeze(2),
                            block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-                           float(scale), kv_cache, rows, where, _attn_knob_vector(knobs))
+                           float(scale), kv_cache, rows, where, kn)
+    if _records is not None:
+        _record("mla_decode", _dtype_name(kv_cache), q.shape[0], kn)
     return out.to(q_lat.dtype)
 
 
@@ -233,15 +405,24 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, knobs: dict
     """As kernels.reference.paged_decode (MHA/GQA): the query heads of one KV head folded into the rows."""
     if not _attn_usable(q, k_cache, v_cache) or k_cache.dim() != 4:
         return reference.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    kn = _struct(knobs)
     out = _ext.attn_decode(q.float().contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
-                           seq_lens.to(torch.int32).contiguous(), float(scale), _EMPTY, _EMPTY, _EMPTY.long(),
-                           _attn_knob_vector(knobs))
+                           seq_lens.to(torch.int32).contiguous(), float(scale), _EMPTY, _EMPTY, _EMPTY.long(), kn)
+    if _records is not None:
+        _record("paged_decode", _dtype_name(k_cache), q.shape[0], kn)
     return out.to(q.dtype)
 
 
-def _extend(q, k4, v4, table, kv_len, scale, knobs):
+def _dtype_name(t: torch.Tensor) -> str:
+    return "bf16" if t.dtype == torch.bfloat16 else "f32"
+
+
+def _extend(q, k4, v4, table, kv_len, scale, knobs, op):
+    kn = _struct(knobs)
     out = _ext.attn_extend(q.float().contiguous(), k4, v4, table.to(torch.int32).contiguous(), int(kv_len),
-                           float(scale), _attn_knob_vector(knobs))
+                           float(scale), kn)
+    if _records is not None:
+        _record(op, _dtype_name(k4), q.shape[0], kn)
     return out.to(q.dtype)
 
 
@@ -249,14 +430,14 @@ def extend_attention(q, k, v, scale, knobs: dict | None = None):
     """As kernels.reference.extend_attention (prefix rectangle + causal part, MHA or GQA)."""
     if not _attn_usable(q, k, v) or k.dim() != 3 or q.shape[0] > k.shape[0]:
         return reference.extend_attention(q, k, v, scale)
-    return _extend(q, _kv4(k), _kv4(v), torch.zeros(1, dtype=torch.int32), k.shape[0], scale, knobs)
+    return _extend(q, _kv4(k), _kv4(v), torch.zeros(1, dtype=torch.int32), k.shape[0], scale, knobs, "extend_attention")
 
 
 def paged_extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs: dict | None = None):
     """As kernels.reference.paged_extend: one sequence's new tokens over its paged keys."""
     if not _attn_usable(q, k_cache, v_cache) or k_cache.dim() != 4 or q.shape[0] > kv_len:
         return reference.paged_extend(q, k_cache, v_cache, block_table, kv_len, scale)
-    return _extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs)
+    return _extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs, "paged_extend")
 
 
 silu_and_mul = reference.silu_and_mul

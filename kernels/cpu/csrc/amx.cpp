@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <ATen/ops/zeros.h>
@@ -227,13 +228,14 @@ const std::string& amx_unavailable() {
   return reason;
 }
 
-bool amx_usable(int fmt) { return (fmt == kBF16 || fmt == kInt8) && amx_unavailable().empty(); }
+bool amx_usable(int fmt) { return (fmt == kBF16 || fmt == kInt8) && (usable_features() & kFeatAmx); }
 
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
 // the integer sums, the caller applies the scales), on the AMX tiles or their emulation.
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) {
   TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "AMX GEMM: BF16 or INT8 weights only");
   TORCH_CHECK(emulate || amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
+  TORCH_CHECK(emulate || (usable_features() & kFeatAmx), "AMX GEMM: AMX is masked off (set_feature_mask)");
   const bool int8 = W.fmt == kInt8;
   const int64_t M = x_act.size(0), K = W.K, esz = int8 ? 1 : 2;
   const int64_t kbytes = ((K * esz + 63) / 64) * 64, mpad = ((M + 31) / 32) * 32;
@@ -267,6 +269,36 @@ at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) 
 }
 
 std::string amx_status() { return amx_unavailable(); }
+
+// Peak of the tile dot products (the probe): `iters` rounds of the 2 × 2 block's four products per
+// thread on resident tiles. INT8: 16·16·64 multiply-adds per TDPBSSD; BF16: 16·16·32 per TDPBF16PS.
+// GOP/s (2 ops per multiply-add).
+double amx_peak_gops(int64_t iters, bool int8) {
+  TORCH_CHECK(usable_features() & kFeatAmx, "AMX peak: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  const auto t0 = std::chrono::steady_clock::now();
+  int threads = 1;
+#pragma omp parallel
+  {
+#pragma omp single
+    threads = omp_get_num_threads();
+    alignas(64) static thread_local uint8_t buf[2][1024];
+    const TileConfig cfg = full_tiles();
+    AmxHw::config(&cfg);
+    AmxHw::zero<0>(); AmxHw::zero<1>(); AmxHw::zero<2>(); AmxHw::zero<3>();
+    AmxHw::load<4>(buf[0], 64); AmxHw::load<5>(buf[1], 64); AmxHw::load<6>(buf[0], 64); AmxHw::load<7>(buf[1], 64);
+    for (int64_t i = 0; i < iters; ++i) {
+      if (int8) {
+        AmxHw::dp_int8<0, 4, 6>(); AmxHw::dp_int8<1, 4, 7>(); AmxHw::dp_int8<2, 5, 6>(); AmxHw::dp_int8<3, 5, 7>();
+      } else {
+        AmxHw::dp_bf16<0, 4, 6>(); AmxHw::dp_bf16<1, 4, 7>(); AmxHw::dp_bf16<2, 5, 6>(); AmxHw::dp_bf16<3, 5, 7>();
+      }
+    }
+    AmxHw::store<0>(buf[0], 64);
+    AmxHw::release();
+  }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * 4 * 16 * 16 * (int8 ? 64 : 32) * (double)iters * threads / dt / 1e9;
+}
 
 at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                           bool emulate) {

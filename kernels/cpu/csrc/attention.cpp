@@ -15,7 +15,7 @@
 // From blas_rows rows per task on, QK and PV go instead through sgemm (ATen → MKL, single-threaded
 // inside the task) on the block converted to float32 rows — the better choice for many heads (V3's 128)
 // or long query tiles, where the products dominate and a tuned GEMM beats the register kernels.
-// The cache may be float32 or bfloat16. Every size is a run-time argument (engine/knobs.py).
+// The cache may be float32 or bfloat16. Every size is a run-time argument (kernels/cpu_knobs.py).
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
@@ -32,21 +32,6 @@ namespace {
 
 constexpr int kGroup = 16;  // rows per register group
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Attention knobs, in the order kernels/cpu/__init__.py ATTN_KNOBS sends them.
-struct AttnKnobs {
-  int64_t head_fold = 128, kv_splits = 8, decode_kv_block = 64, q_block = 128, extend_kv_block = 512, blas_rows = 32,
-          blas_kv_block = 256;
-};
-
-AttnKnobs attn_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 7, "attention: 7 knob values expected");
-  AttnKnobs a{k[0], k[1], k[2], k[3], k[4], k[5], k[6]};
-  TORCH_CHECK(a.head_fold >= 1 && a.kv_splits >= 1 && a.decode_kv_block >= 1 && a.q_block >= 1 &&
-                  a.extend_kv_block >= 1 && a.blas_rows >= 1 && a.blas_kv_block >= 1,
-              "attention knobs must be ≥ 1");
-  return a;
-}
 
 // e^x for float32 lanes (x ≤ 0 here: scores minus the running max): 2^n · p(r), r = x − n·ln2,
 // degree-6 polynomial; relative error ≈ 2e-7. Below −87 the result is ~1e-38, not 0 (masked lanes
@@ -370,9 +355,9 @@ void check_tables(const int32_t* table, int64_t len, int64_t block_size, int64_t
 
 template <int DT>
 void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const KVSource& V, const int32_t* tables,
-                 int64_t MB, const int32_t* lens, float scale, const AttnKnobs& kn, float* out) {
+                 int64_t MB, const int32_t* lens, float scale, const Knobs& kn, float* out) {
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim;
-  const int64_t hf = std::min(kn.head_fold, Hg), nhb = (Hg + hf - 1) / hf, S = kn.kv_splits;
+  const int64_t hf = std::min(kn.attn_head_fold, Hg), nhb = (Hg + hf - 1) / hf, S = kn.attn_kv_splits;
   const int64_t tasks = B * Hkv * nhb * S;
   // Split partials: the output rows are written before they are read (an empty split is never read),
   // so the buffer is reused across calls uninitialized.
@@ -382,8 +367,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   std::vector<float> part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
 #pragma omp parallel
   {
-    const bool blas = hf >= kn.blas_rows;
-    const int64_t kvb = blas ? kn.blas_kv_block : kn.decode_kv_block;  // keys per block, for the path taken
+    const bool blas = hf >= kn.attn_blas_rows;
+    const int64_t kvb = blas ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;  // keys per block, for the path taken
     Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas);
     std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
     std::vector<const float*> qrow(hf);
@@ -433,13 +418,13 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
 
 template <int DT>
 void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const KVSource& V, const int32_t* table,
-                 int64_t kv_len, float scale, const AttnKnobs& kn, float* out) {
+                 int64_t kv_len, float scale, const Knobs& kn, float* out) {
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim, prefix = kv_len - T;
-  const int64_t qb = kn.q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
+  const int64_t qb = kn.attn_extend_q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
 #pragma omp parallel
   {
-    const bool blas = qb >= kn.blas_rows;
-    Scratch& sc = thread_scratch(qb, kn.extend_kv_block, Dk, Dv, blas);
+    const bool blas = qb >= kn.attn_blas_rows;
+    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<const float*> qrow(qb);
     std::vector<int64_t> lim(qb);
@@ -455,8 +440,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       }
       pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
-      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.extend_kv_block,
-                 rows >= kn.blas_rows && blas, sc,
+      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.attn_extend_kv_block,
+                 rows >= kn.attn_blas_rows && blas, sc,
                  m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
@@ -481,8 +466,10 @@ void check_kv(const at::Tensor& k, const at::Tensor& v, const KVSource& K, const
 // (the step's new tokens; cache is the contiguous tensor k/v view). Returns [B, H, Dv] float32.
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
-                       const at::Tensor& slots, std::vector<int64_t> knobs) {
-  const AttnKnobs kn = attn_knobs(knobs);
+                       const at::Tensor& slots, const Knobs& kn) {
+  kn.check();
+  reset_used();
+  note_used(kUsedAvx512);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_decode: q [B, H, Dk] float32");
   if (cache.defined() && cache.numel() > 0) write_rows(cache, rows, slots);
   const KVSource K = kv_source(k, "attn_decode k"), V = kv_source(v, "attn_decode v");
@@ -509,8 +496,10 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // Extend: q [T, H, Dk] float32 (the last T of kv_len keys); k/v as attn_decode; table [MB] int32.
 // Query i sees keys 0 .. kv_len − T + i. Returns [T, H, Dv] float32.
 at::Tensor attn_extend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                       int64_t kv_len, double scale, std::vector<int64_t> knobs) {
-  const AttnKnobs kn = attn_knobs(knobs);
+                       int64_t kv_len, double scale, const Knobs& kn) {
+  kn.check();
+  reset_used();
+  note_used(kUsedAvx512);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_extend: q [T, H, Dk] float32");
   const KVSource K = kv_source(k, "attn_extend k"), V = kv_source(v, "attn_extend v");
   const int64_t T = q.size(0), H = q.size(1);

@@ -17,12 +17,66 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
                           bool emulate);
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
-                       const at::Tensor& slots, std::vector<int64_t> knobs);
+                       const at::Tensor& slots, const Knobs& knobs);
 at::Tensor attn_extend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                       int64_t kv_len, double scale, std::vector<int64_t> knobs);
+                       int64_t kv_len, double scale, const Knobs& knobs);
+double read_seconds_method(const at::Tensor& buf, int64_t streams, int64_t lines, int64_t prefetch_bytes,
+                           bool nontemporal);
+double vnni_int8_gops(int64_t iters);
+double bf16_dot_gflops(int64_t iters);
+double amx_peak_gops(int64_t iters, bool int8);
 }  // namespace moetune
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using moetune::Knobs;
+  // The per-call knobs by name (kernels/cpu_knobs.py without "cpu_"); string choices as enums whose
+  // member names are the choice strings. kernels/cpu checks at import that these match the
+  // declarations exactly (a mismatch cannot load).
+  py::enum_<moetune::Fp8Method>(m, "Fp8Method")
+      .value("vector", moetune::kFp8Vector).value("lut", moetune::kFp8Lut).value("widen", moetune::kFp8Widen);
+  py::enum_<moetune::Int4Method>(m, "Int4Method")
+      .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
+  py::enum_<moetune::Int8Isa>(m, "Int8Isa")
+      .value("auto", moetune::kInt8IsaAuto).value("avx512", moetune::kInt8IsaAvx512).value("vnni", moetune::kInt8IsaVnni);
+  py::enum_<moetune::Bf16Isa>(m, "Bf16Isa")
+      .value("auto", moetune::kBf16IsaAuto).value("avx512", moetune::kBf16IsaAvx512)
+      .value("avx512bf16", moetune::kBf16IsaDot);
+  py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
+      .def(py::init<>())
+      .def_readwrite("micro_rows", &Knobs::micro_rows)
+      .def_readwrite("micro_tokens", &Knobs::micro_tokens)
+      .def_readwrite("linear_block_n", &Knobs::linear_block_n)
+      .def_readwrite("moe_block_n", &Knobs::moe_block_n)
+      .def_readwrite("gemm_min_tokens", &Knobs::gemm_min_tokens)
+      .def_readwrite("gemm_block_n", &Knobs::gemm_block_n)
+      .def_readwrite("fp8_method", &Knobs::fp8_method)
+      .def_readwrite("int4_method", &Knobs::int4_method)
+      .def_readwrite("task_chunk", &Knobs::task_chunk)
+      .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)
+      .def_readwrite("int8_isa", &Knobs::int8_isa)
+      .def_readwrite("bf16_isa", &Knobs::bf16_isa)
+      .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)
+      .def_readwrite("attn_kv_splits", &Knobs::attn_kv_splits)
+      .def_readwrite("attn_decode_kv_block", &Knobs::attn_decode_kv_block)
+      .def_readwrite("attn_extend_q_block", &Knobs::attn_extend_q_block)
+      .def_readwrite("attn_extend_kv_block", &Knobs::attn_extend_kv_block)
+      .def_readwrite("attn_blas_rows", &Knobs::attn_blas_rows)
+      .def_readwrite("attn_blas_kv_block", &Knobs::attn_blas_kv_block)
+      .def("check", &Knobs::check, "raise when a field is unset or out of range");
+  m.def("detected_features", &moetune::detected_features, "bits of the dot-product ISA cpuid reports: 1 VNNI, 2 AVX512-BF16, 4 AMX");
+  m.def("usable_features", &moetune::usable_features, "detected_features() under the feature mask");
+  m.def("feature_mask", &moetune::feature_mask);
+  m.def("set_feature_mask", &moetune::set_feature_mask, "lower the features dispatch may use (process-wide)");
+  m.def("emulated_features", &moetune::emulated_features);
+  m.def("set_emulated_features", &moetune::set_emulated_features,
+        "run these features' variants on their C++ models (VNNI 1, AVX512-BF16 2; process-wide)");
+  m.def("last_variant", &moetune::used_variants, "the instruction variants the calling thread's last op used");
+  m.def("read_seconds_method", &moetune::read_seconds_method,
+        "the read as interleaved streams, lines per step, prefetch distance, non-temporal loads");
+  m.def("vnni_int8_gops", &moetune::vnni_int8_gops);
+  m.def("bf16_dot_gflops", &moetune::bf16_dot_gflops);
+  m.def("amx_peak_gops", &moetune::amx_peak_gops);
   m.def("linear", &moetune::linear, "y[T, N] float32 = x · Wᵀ for a weight in any format");
   m.def("fused_moe", &moetune::fused_moe, "fused MoE (grouped by expert, SiLU fused), float32 [T, D]");
   m.def("rms_norm", &moetune::rms_norm);

@@ -13,9 +13,24 @@ namespace moetune {
 
 // kInt4i: INT4 by integer products; kFp8w: FP8 widened through 16-bit lanes (the "widen" method)
 // kInt4b: INT4 by byte products against int8 activations (the "int8" INT4 method)
-enum Format : int { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7 };
+// From kInt8Dp on: the dot-product variants (micro_dot.inc), each on the instruction (native) and
+// on its C++ model: INT8 and INT4-int8 through vpdpbusd (AVX512-VNNI), BF16 and FP8 through
+// vdpbf16ps (AVX512-BF16).
+enum Format : int {
+  kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
+  kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
+  kFp8Dp = 14, kFp8DpModel = 15,
+};
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
+// cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
+// the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
+enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
+enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
+
+// The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
+// features under the mask, and the emulated features).
+enum Dot : int { kDotNone = 0, kDotVnni = 1, kDotVnniModel = 2, kDotBf16 = 3, kDotBf16Model = 4 };
 
 // One weight matrix [N, K] (one expert of a stack, or a plain linear).
 struct WeightView {
@@ -25,6 +40,7 @@ struct WeightView {
   int64_t N = 0, K = 0;
   const float* scale = nullptr;  // int8: [N]; fp8: [ceil(N/bn), G]; int4: [N, G]
   const float* zero = nullptr;   // int4: [N, G] zero point in quantized units
+  const int32_t* wsum = nullptr; // int8: [N] Σ_k w[n, k] (the VNNI kernels' +128 compensation)
   int64_t scale_ld = 0;          // row stride of scale/zero
   int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row
   int block_n = 1;               // fp8: rows per scale block
@@ -32,22 +48,30 @@ struct WeightView {
   bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
+  int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
-  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = false; }
+  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = false; dot = kDotNone; }
 };
 
-// Per-call run-time knobs (all from the knob catalogue, passed by Python).
+// Every per-call knob of kernels/cpu_knobs.py, named as in the catalogue without "cpu_" (bound by
+// pybind11 in bindings.cpp; kernels/cpu checks at import that the two sets are equal). No defaults
+// here: kernels/cpu fills every field from the declarations, and check() refuses an unset one.
 struct Knobs {
-  int micro_rows = 4;        // weight rows per microkernel pass (2, 4, 8)
-  int micro_tokens = 1;      // tokens per microkernel pass (1, 2, 4)
-  int block_n = 64;          // rows per parallel task (linear)
-  int moe_block_n = 32;      // rows per parallel task (fused MoE)
-  int gemm_min_tokens = 32;  // from this many tokens (per expert in MoE) use unpack + BLAS
-  int gemm_block_n = 256;    // rows unpacked per BLAS call (the weight-unpack cache block)
-  int fp8_method = kFp8Vector;
-  int int4_method = kInt4Int16;  // INT4 with group % 64 == 0: integer products (or float, as other groups)
-  int task_chunk = 1;        // consecutive parallel tasks a thread takes at once (OpenMP dynamic chunk)
-  int amx_min_tokens = 32;   // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
+  int64_t micro_rows = 0;        // weight rows per microkernel pass (4, 8)
+  int64_t micro_tokens = 0;      // tokens per microkernel pass (1, 2, 4)
+  int64_t linear_block_n = 0;    // rows per parallel task (linear)
+  int64_t moe_block_n = 0;       // rows per parallel task (fused MoE)
+  int64_t gemm_min_tokens = 0;   // from this many tokens (per expert in MoE) use unpack + BLAS
+  int64_t gemm_block_n = 0;      // rows unpacked per BLAS call (the weight-unpack cache block)
+  Fp8Method fp8_method = (Fp8Method)-1;
+  Int4Method int4_method = (Int4Method)-1;
+  int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
+  int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
+  Int8Isa int8_isa = (Int8Isa)-1;
+  Bf16Isa bf16_isa = (Bf16Isa)-1;
+  int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
+          attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
+  void check() const;  // every field set and in range (matmul.cpp)
 };
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }

@@ -1,6 +1,7 @@
 // Linear layers: activation preparation, the direct (microkernel) path and the unpack + BLAS path.
 #include <omp.h>
 #include <cmath>
+#include <c10/util/BFloat16.h>
 #include "ops.h"
 
 namespace moetune {
@@ -31,6 +32,10 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kInt4i: return get_micro_int4i(rows, tokens);
     case kFp8w: return get_micro_fp8w(rows, tokens);
     case kInt4b: return get_micro_int4b(rows, tokens);
+    case kInt8Dp: case kInt8DpModel: return get_micro_int8_dot(fmt, rows, tokens);
+    case kInt4bDp: case kInt4bDpModel: return get_micro_int4_dot(fmt, rows, tokens);
+    case kBF16Dp: case kBF16DpModel: return get_micro_bf16_dot(fmt, rows, tokens);
+    case kFp8Dp: case kFp8DpModel: return get_micro_fp8_dot(fmt, rows, tokens);
   }
   return nullptr;
 }
@@ -40,7 +45,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 ? 2 : 1; }
 
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
-                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn) {
+                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn, bool act_bf16) {
   TORCH_CHECK(w.is_contiguous(), "weight must be contiguous");
   StackedWeight s;
   WeightView& v = s.base;
@@ -62,7 +67,17 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
     v.scale_ld = scale.size(-1);
     s.scale_expert_stride = w.dim() == 3 ? scale.stride(0) : 0;
   }
-  if (zero.defined() && zero.numel()) v.zero = zero.data_ptr<float>();
+  // INT8: the zero slot carries the per-row weight sums (int32), the VNNI kernels' +128 compensation
+  if (zero.defined() && zero.numel()) {
+    if (fmt == kInt8) {
+      TORCH_CHECK(zero.scalar_type() == at::kInt && zero.is_contiguous() && zero.numel() == scale.numel(),
+                  "int8: the row sums must be contiguous int32 shaped like the scales");
+      v.wsum = zero.data_ptr<int32_t>();
+    } else {
+      v.zero = zero.data_ptr<float>();
+    }
+  }
+  v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
@@ -70,21 +85,18 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   return s;
 }
 
-Knobs make_knobs(const std::vector<int64_t>& k) {
-  TORCH_CHECK(k.size() == 10, "expected 10 knob values");
-  Knobs kn;
-  kn.micro_rows = (int)k[0];
-  kn.micro_tokens = (int)k[1];
-  kn.block_n = (int)std::max<int64_t>(1, k[2]);
-  kn.moe_block_n = (int)std::max<int64_t>(1, k[3]);
-  kn.gemm_min_tokens = (int)std::max<int64_t>(1, k[4]);
-  kn.gemm_block_n = (int)std::max<int64_t>(1, k[5]);
-  kn.fp8_method = (int)k[6];
-  kn.int4_method = (int)k[7];
-  kn.task_chunk = (int)std::max<int64_t>(1, k[8]);
-  kn.amx_min_tokens = (int)std::max<int64_t>(1, k[9]);
-  TORCH_CHECK(get_micro(kBF16, kn.micro_rows, kn.micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
-  return kn;
+void Knobs::check() const {
+  TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
+  TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
+                  amx_min_tokens >= 1,
+              "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens must be ≥ 1");
+  TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
+                  int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
+                  bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot,
+              "fp8_method, int4_method, int8_isa and bf16_isa must be set");
+  TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
+                  attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
+              "attention knobs must be ≥ 1");
 }
 
 // ------------------------------------------------------------------ activations
@@ -131,6 +143,8 @@ Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padd
   }
   if (gsumq.defined()) a.gsumq = gsumq.data_ptr<float>();
   if (xp.defined()) a.xp = xp.data_ptr<float>();
+  if (xu.defined()) a.xu = xu.data_ptr<uint8_t>();
+  if (xh.defined()) a.xh = reinterpret_cast<const uint16_t*>(xh.data_ptr<at::BFloat16>());
   if (xb.defined()) {
     a.xb = xb.data_ptr<int8_t>();
     a.xbs = xbs.data_ptr<float>();
@@ -152,6 +166,14 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) quantize_row(src + m * ld, K, q + m * kp, s + m);
     });
+    if (W.dot == kDotVnni || W.dot == kDotVnniModel) {  // the VNNI kernels' unsigned form: q + 128
+      p.xu = at::zeros({M, kp}, at::kByte);
+      uint8_t* u = p.xu.data_ptr<uint8_t>();
+      at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+        for (int64_t m = b; m < e; ++m)
+          for (int64_t k = 0; k < K; ++k) u[m * kp + k] = (uint8_t)(q[m * kp + k] + 128);
+      });
+    }
     return p;
   }
   p.xf = at::zeros({M, kp}, at::kFloat);
@@ -168,6 +190,28 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
           for (int v = 0; v < 4; ++v)
             for (int q = 0; q < 16; ++q)
               o[m * kp + k0 + 16 * v + q] = d[m * kp + k0 + fp8_widen_order(v, q)] * kFp8WidenActScale;
+    });
+  }
+  if (W.dot == kDotBf16 || W.dot == kDotBf16Model) {  // bf16 rows (round to nearest even); FP8: × 2^60, permuted
+    p.xh = at::zeros({M, kp}, at::kBFloat16);
+    uint16_t* h = reinterpret_cast<uint16_t*>(p.xh.data_ptr<at::BFloat16>());
+    const bool fp8 = W.fmt == kFp8;
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) {
+        const float* xr = d + m * kp;
+        uint16_t* hr = h + m * kp;
+        if (!fp8) {
+          for (int64_t k = 0; k < K; ++k) hr[k] = c10::BFloat16(xr[k]).x;
+          continue;
+        }
+        // per 64: the 32 elements the unpacklo half meets, then the 32 the unpackhi half meets
+        for (int64_t k0 = 0; k0 < kp; k0 += 64)
+          for (int64_t i = 0; i < 32; ++i) {
+            const int64_t src = k0 + 16 * (i / 8) + i % 8;
+            hr[k0 + i] = c10::BFloat16(xr[src] * kFp8WidenActScale).x;
+            hr[k0 + 32 + i] = c10::BFloat16(xr[src + 8] * kFp8WidenActScale).x;
+          }
+      }
     });
   }
   if (W.fmt == kInt4 && W.int4_i8) {  // int8 per (token, group), micro_int4b's order, group sums
@@ -241,15 +285,23 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
-  const int R = kn.micro_rows, MT = kn.micro_tokens;
-  const int fmt = W.fmt == kInt4 && W.int4_i8    ? kInt4b
-                  : W.fmt == kInt4 && W.int4_int ? kInt4i
-                  : W.fmt == kFp8 && W.fp8_widen ? kFp8w
-                                                 : W.fmt;
+  const int R = (int)kn.micro_rows, MT = (int)kn.micro_tokens;
+  const bool vnni = W.dot == kDotVnni || W.dot == kDotVnniModel, bf16dot = W.dot == kDotBf16 || W.dot == kDotBf16Model;
+  const bool model = W.dot == kDotVnniModel || W.dot == kDotBf16Model;
+  const int fmt = W.fmt == kInt8 && vnni                      ? (model ? kInt8DpModel : kInt8Dp)
+                  : W.fmt == kInt4 && W.int4_i8 && vnni       ? (model ? kInt4bDpModel : kInt4bDp)
+                  : W.fmt == kInt4 && W.int4_i8               ? kInt4b
+                  : W.fmt == kInt4 && W.int4_int              ? kInt4i
+                  : W.fmt == kBF16 && bf16dot                 ? (model ? kBF16DpModel : kBF16Dp)
+                  : W.fmt == kFp8 && bf16dot                  ? (model ? kFp8DpModel : kFp8Dp)
+                  : W.fmt == kFp8 && W.fp8_widen              ? kFp8w
+                                                              : W.fmt;
   MicroFn fn = get_micro(fmt, R, MT);
   MicroFn fn1 = get_micro(fmt, R, 1);
   const unsigned csr = _mm_getcsr();
-  if (fmt == kFp8w) _mm_setcsr(csr | 0x0040);  // DAZ for the sweep: micro_fp8w's denormals read as zero
+  // DAZ for the sweep: micro_fp8w's denormals read as zero; the vdpbf16ps model: DAZ + FTZ, as the instruction
+  const unsigned csr_bits = fmt == kFp8w ? 0x0040u : (fmt == kBF16DpModel || fmt == kFp8DpModel) ? 0x8040u : 0u;
+  if (csr_bits) _mm_setcsr(csr | csr_bits);
   float buf[8 * 4];
   int64_t t[4];
   const uint8_t* first = W.w + n0 * W.row_bytes;  // the sweep's first tile: next for a later token group
@@ -270,12 +322,12 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
       }
     }
   }
-  if (fmt == kFp8w) _mm_setcsr(csr);
+  if (csr_bits) _mm_setcsr(csr);
 }
 
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
                const Knobs& kn, bool parallel) {
-  const int64_t bn = ((kn.block_n + kn.micro_rows - 1) / kn.micro_rows) * kn.micro_rows;
+  const int64_t bn = ((kn.linear_block_n + kn.micro_rows - 1) / kn.micro_rows) * kn.micro_rows;
   const int64_t tiles = (W.N + bn - 1) / bn;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk) if (parallel && tiles > 1)
   for (int64_t t = 0; t < tiles; ++t) {
@@ -322,7 +374,11 @@ void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
 }
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
-  if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) return gemm_amx(x_act, W, false);
+  if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) {
+    note_used(kUsedAmx);
+    return gemm_amx(x_act, W, false);
+  }
+  note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   at::Tensor buf = at::empty({std::min(bn, W.N), W.K}, at::kFloat);
@@ -343,10 +399,11 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
-                     std::vector<int64_t> knobs) {
+                     const Knobs& kn) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
-  const Knobs kn = make_knobs(knobs);
-  WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn).base;
+  kn.check();
+  reset_used();
+  WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn, x.scalar_type() == at::kBFloat16).base;
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W.fmt, kn);
   if (gemm) W.no_micro_forms();
@@ -356,6 +413,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));
     return out;
   }
+  note_dot(W.dot);
   at::Tensor out = at::empty({M, N}, at::kFloat);
   std::vector<int64_t> tok(M);
   for (int64_t m = 0; m < M; ++m) tok[m] = m;

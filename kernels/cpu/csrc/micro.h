@@ -18,6 +18,8 @@ struct Act {
   const float* xbs = nullptr;    // ... their per-(token, group) scales [*, gld]
   const float* gsb = nullptr;    // ... and per-(token, group) sums of the dequantized int8 activations
   const float* xp = nullptr;     // FP8 widen path: float rows × 2^60, permuted per 64 (fp8_widen_order)
+  const uint8_t* xu = nullptr;   // INT8 VNNI path: the int8 rows + 128 as uint8 (micro_dot.inc)
+  const uint16_t* xh = nullptr;  // BF16 dot path: bf16 rows (FP8: × 2^60, permuted per 64, micro_dot.inc)
   int64_t ld = 0, gld = 0;
 };
 
@@ -38,6 +40,11 @@ MicroFn get_micro_int4(int rows, int tokens);
 MicroFn get_micro_int4i(int rows, int tokens);
 MicroFn get_micro_fp8w(int rows, int tokens);
 MicroFn get_micro_int4b(int rows, int tokens);
+// The dot-product variants (micro_dot.inc): fmt is one of kInt8Dp .. kFp8DpModel
+MicroFn get_micro_int8_dot(int fmt, int rows, int tokens);
+MicroFn get_micro_int4_dot(int fmt, int rows, int tokens);
+MicroFn get_micro_bf16_dot(int fmt, int rows, int tokens);
+MicroFn get_micro_fp8_dot(int fmt, int rows, int tokens);
 
 // Bytes of one weight row holding k elements, per format.
 template <int F>

@@ -1,8 +1,33 @@
 // Microkernel instantiations for one weight format (kept apart so they compile in parallel).
 #include "micro.h"
+#include "dot.h"
 
 namespace moetune {
 MicroFn get_micro_int4(int rows, int tokens) { return pick_rows<kInt4>(rows, tokens); }
 MicroFn get_micro_int4i(int rows, int tokens) { return pick_rows<kInt4i>(rows, tokens); }
 MicroFn get_micro_int4b(int rows, int tokens) { return pick_rows<kInt4b>(rows, tokens); }
+}  // namespace moetune
+
+// The INT4-int8 dot-product variants: micro_dot.inc on the instruction (dot_hw) and on its C++ model (dot_model).
+namespace moetune {
+namespace {
+#define MOETUNE_DOT_NS dot_hw
+#define MOETUNE_VNNI_ATTR MOETUNE_TARGET_VNNI
+#define MOETUNE_BF16_ATTR MOETUNE_TARGET_BF16
+#include "micro_dot.inc"
+#undef MOETUNE_DOT_NS
+#undef MOETUNE_VNNI_ATTR
+#undef MOETUNE_BF16_ATTR
+#define MOETUNE_DOT_NS dot_model
+#define MOETUNE_VNNI_ATTR
+#define MOETUNE_BF16_ATTR
+#include "micro_dot.inc"
+#undef MOETUNE_DOT_NS
+#undef MOETUNE_VNNI_ATTR
+#undef MOETUNE_BF16_ATTR
+}  // namespace
+MicroFn get_micro_int4_dot(int fmt, int rows, int tokens) {
+  if (fmt == kInt4bDp) { MOETUNE_DOT_PICK(dot_hw, micro_int4b_dp, VnniHw, rows, tokens) }
+  MOETUNE_DOT_PICK(dot_model, micro_int4b_dp, VnniModel, rows, tokens)
+}
 }  // namespace moetune

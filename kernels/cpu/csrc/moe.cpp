@@ -116,13 +116,16 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
 at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
                         const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
                         const at::Tensor& z2, int64_t I, int64_t group, int64_t block_n,
-                        const at::Tensor& topk_w, const at::Tensor& topk_ids, std::vector<int64_t> knobs) {
+                        const at::Tensor& topk_w, const at::Tensor& topk_ids, const Knobs& kn) {
   TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_w.sizes() == topk_ids.sizes(), "fused_moe: bad shapes");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_w.scalar_type() == at::kFloat, "fused_moe: ids int64, weights float32");
-  const Knobs kn = make_knobs(knobs);
+  kn.check();
+  reset_used();
   const int64_t T = x.size(0), D = x.size(1), E = w13.size(0);
-  const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn);
-  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn);
+  // bf16 activations: the down projection's input (SiLU·up) counts as bf16 too (the model's dtype)
+  const bool act_bf16 = x.scalar_type() == at::kBFloat16;
+  const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn, act_bf16);
+  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn, act_bf16);
   const Routing r = group_by_expert(topk_w.contiguous(), topk_ids.contiguous(), E);
   const int64_t P = T * topk_ids.size(1);
 
@@ -135,6 +138,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   WeightView xw = W13.base, hw = W2.base;
   if (small.empty()) xw.no_micro_forms(), hw.no_micro_forms();
   hw.fp8_widen &= !small.empty();
+  if (!small.empty()) note_dot(W13.base.dot);
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);

@@ -24,18 +24,37 @@ struct StackedWeight {
     v.w += e * expert_bytes;
     if (v.scale) v.scale += e * scale_expert_stride;
     if (v.zero) v.zero += e * scale_expert_stride;
+    if (v.wsum) v.wsum += e * scale_expert_stride;
     return v;
   }
 };
 
+// act_bf16: the activations are bf16 (cpu_bf16_isa=auto takes the BF16 dot product only then)
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
-                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn);
-Knobs make_knobs(const std::vector<int64_t>& k);
+                          const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn, bool act_bf16);
+
+// Run-time ISA dispatch (isa.cpp). Features: bits of this CPU's dot-product instructions.
+enum Feature : unsigned { kFeatVnni = 1, kFeatBf16 = 2, kFeatAmx = 4 };
+unsigned detected_features();   // cpuid (AMX: and the kernel's permission)
+unsigned usable_features();     // detected & the mask (set_feature_mask)
+unsigned emulated_features();   // run on their C++ models instead (set_emulated_features)
+void set_feature_mask(int64_t mask);
+int64_t feature_mask();
+void set_emulated_features(int64_t mask);
+// The Dot variant of a weight's microkernels for these knobs on this (masked) CPU.
+int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16);
+// The variants a call used, noted per calling thread (the Python call record reads them).
+enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
+                       kUsedAmx = 32, kUsedBlas = 64 };
+void reset_used();
+void note_used(unsigned bits);
+void note_dot(int dot);
+std::string used_variants();
 
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
 // quantized rows + scales. Owns its buffers.
 struct PreparedAct {
-  at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb;
+  at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb, xu, xh;
   Act view() const;
 };
 PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
@@ -59,16 +78,16 @@ const std::string& amx_unavailable();
 bool amx_usable(int fmt);
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
 // From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
-inline int64_t gemm_from(int fmt, const Knobs& kn) {
+inline int64_t gemm_from(int fmt, const Knobs& kn) {  // AMX: under the feature mask too
   return amx_usable(fmt) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
-                     std::vector<int64_t> knobs);
+                     const Knobs& knobs);
 at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
                         const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
                         const at::Tensor& z2, int64_t inter, int64_t group, int64_t block_n,
-                        const at::Tensor& topk_w, const at::Tensor& topk_ids, std::vector<int64_t> knobs);
+                        const at::Tensor& topk_w, const at::Tensor& topk_ids, const Knobs& knobs);
 
 }  // namespace moetune

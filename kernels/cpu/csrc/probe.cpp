@@ -2,6 +2,7 @@
 #include <omp.h>
 #include <chrono>
 #include <cstdio>
+#include "dot.h"
 #include "ops.h"
 
 namespace moetune {
@@ -68,6 +69,45 @@ double read_seconds_streams(const at::Tensor& buf, int64_t streams, int64_t pref
   return dt;
 }
 
+// The read as `streams` interleaved streams per thread, each reading `lines` consecutive 64-byte lines
+// per step (wider unrolling: more loads in flight per stream), with software prefetch
+// `prefetch_bytes` ahead (0: none) and optionally non-temporal loads (vmovntdqa). The probe tries
+// several of these and keeps the best as the machine's read limit.
+double read_seconds_method(const at::Tensor& buf, int64_t streams, int64_t lines, int64_t prefetch_bytes,
+                           bool nontemporal) {
+  TORCH_CHECK(streams >= 1 && streams <= 16 && lines >= 1 && lines <= 8 && prefetch_bytes >= 0,
+              "read_seconds_method: 1..16 streams, 1..8 lines per step");
+  const float* p = buf.data_ptr<float>();
+  const int64_t n = buf.numel(), ahead = prefetch_bytes / 4, step = 16 * lines;
+  double sink = 0;
+  const double t0 = now();
+#pragma omp parallel reduction(+ : sink)
+  {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t chunk = (n / nt) & ~int64_t(127), b = id * chunk;
+    const int64_t part = (chunk / streams) / step * step;
+    __m512i acc[16];
+    for (int s = 0; s < streams; ++s) acc[s] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < part; i += step) {
+      for (int s = 0; s < streams; ++s) {
+        const float* q = p + b + s * part + i;
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q + ahead), _MM_HINT_T0);
+        for (int l = 0; l < lines; ++l) {
+          const __m512i v = nontemporal ? _mm512_stream_load_si512((void*)(q + 16 * l))
+                                        : _mm512_loadu_si512((const void*)(q + 16 * l));
+          acc[s] = _mm512_xor_si512(acc[s], v);
+        }
+      }
+    }
+    __m512i t = _mm512_setzero_si512();
+    for (int s = 0; s < streams; ++s) t = _mm512_xor_si512(t, acc[s]);
+    sink += (double)_mm512_reduce_add_epi32(t);
+  }
+  const double dt = now() - t0;
+  if (sink == 1234.5) std::printf(" ");
+  return dt;
+}
+
 // GFLOP/s of `iters` rounds of 12 independent FP32 FMA vectors per thread (2 flops × 16 lanes).
 double fma_gflops(int64_t iters) {
   double sink = 0;
@@ -114,6 +154,56 @@ double int16_madd_gops(int64_t iters) {
   const double dt = now() - t0;
   if (sink == 12345) std::printf(" ");
   return 2.0 * 32 * 8 * iters * threads / dt / 1e9;
+}
+
+// GOP/s of vpdpbusd (AVX512-VNNI: 64 u8 × s8 multiply-adds per instruction), 8 chains per thread.
+MOETUNE_TARGET_VNNI double vnni_int8_gops(int64_t iters) {
+  TORCH_CHECK(usable_features() & kFeatVnni, "this CPU has no AVX512-VNNI (or it is masked off)");
+  int64_t sink = 0;
+  const double t0 = now();
+  int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+  {
+    threads = omp_get_num_threads();
+    __m512i a[8];
+    const __m512i w = _mm512_set1_epi8(3);
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_set1_epi32(j);
+    __m512i x = _mm512_set1_epi8(1);
+    for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[j] = _mm512_dpbusd_epi32(a[j], x, w);
+      x = _mm512_xor_si512(x, w);
+    }
+    for (int j = 1; j < 8; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
+    sink += _mm512_reduce_add_epi32(a[0]);
+  }
+  const double dt = now() - t0;
+  if (sink == 12345) std::printf(" ");
+  return 2.0 * 64 * 8 * iters * threads / dt / 1e9;
+}
+
+// GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 multiply-adds per instruction), 12 chains per thread.
+MOETUNE_TARGET_BF16 double bf16_dot_gflops(int64_t iters) {
+  TORCH_CHECK(usable_features() & kFeatBf16, "this CPU has no AVX512-BF16 (or it is masked off)");
+  double sink = 0;
+  const double t0 = now();
+  int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+  {
+    threads = omp_get_num_threads();
+    __m512 a[12];
+    for (int j = 0; j < 12; ++j) a[j] = _mm512_set1_ps(1.f + j * 1e-3f);
+    const __m512i m = _mm512_set1_epi16(0x3F80), c = _mm512_set1_epi16(0x3000);  // bf16 1.0, 2^-31
+    for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 12
+      for (int j = 0; j < 12; ++j) a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)m, (__m512bh)c);
+    __m512 s = a[0];
+    for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, a[j]);
+    sink += hsum(s);
+  }
+  const double dt = now() - t0;
+  if (sink == 1234.5) std::printf(" ");
+  return 2.0 * 32 * 12 * iters * threads / dt / 1e9;
 }
 
 }  // namespace moetune

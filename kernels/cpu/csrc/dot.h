@@ -1,0 +1,68 @@
+// The dot-product instructions of the microkernel variants (micro_dot.inc), each as an instruction
+// policy: the native one (the intrinsic, in a function compiled for that instruction only, run only
+// where cpuid reports it: isa.cpp) and a C++ model of its exact semantics on AVX-512F/BW, run on
+// every machine so that the kernel logic around the instruction is tested everywhere (as amx.cpp's
+// tile model).
+#pragma once
+#include "common.h"
+
+#define MOETUNE_TARGET_VNNI __attribute__((target("avx512vnni")))
+#define MOETUNE_TARGET_BF16 __attribute__((target("avx512bf16")))
+#define MOETUNE_INLINE inline __attribute__((always_inline))
+
+namespace moetune {
+
+// vpdpbusd: per 32-bit lane i, acc[i] += Σ_{j<4} u8(a[4i+j]) · s8(b[4i+j]) (exact, int32 wrap-around).
+struct VnniHw {
+  MOETUNE_TARGET_VNNI static MOETUNE_INLINE __m512i dpbusd(__m512i acc, __m512i a_u8, __m512i b_s8) {
+    return _mm512_dpbusd_epi32(acc, a_u8, b_s8);
+  }
+};
+
+// The model: even and odd bytes widened to 16-bit lanes (a zero-extended, b sign-extended) and
+// multiplied pairwise by vpmaddwd (products ≤ 255·128, pair sums exact in int32).
+struct VnniModel {
+  static MOETUNE_INLINE __m512i dpbusd(__m512i acc, __m512i a_u8, __m512i b_s8) {
+    const __m512i lo8 = _mm512_set1_epi16(0x00FF);
+    const __m512i a_even = _mm512_and_si512(a_u8, lo8), a_odd = _mm512_srli_epi16(a_u8, 8);
+    const __m512i b_even = _mm512_srai_epi16(_mm512_slli_epi16(b_s8, 8), 8), b_odd = _mm512_srai_epi16(b_s8, 8);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(a_even, b_even));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a_odd, b_odd));
+  }
+};
+
+// vdpbf16ps: per 32-bit lane i, acc[i] += a.bf16[2i+1]·b.bf16[2i+1], then += a.bf16[2i]·b.bf16[2i],
+// in float32 (each product exact, each add rounded to nearest even), denormal inputs read as zero and
+// denormal results flushed to zero, whatever MXCSR says.
+struct Bf16Hw {
+  MOETUNE_TARGET_BF16 static MOETUNE_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+};
+
+// The model: the odd and even halves of each lane as float32 (a mask, a shift), multiplied and
+// added in that order; the caller runs it with MXCSR.DAZ and FTZ set (micro_sweep), which gives the
+// instruction's denormal handling.
+struct Bf16Model {
+  static MOETUNE_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, hi)), b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+    const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(a_odd, b_odd));
+    return _mm512_add_ps(acc, _mm512_mul_ps(a_even, b_even));
+  }
+};
+
+// rows × tokens instantiations of one dot-product kernel (rows 4 or 8, tokens 1, 2 or 4)
+#define MOETUNE_DOT_PICK(NS, KERNEL, P, rows, tokens)                                  \
+  switch ((rows) * 10 + (tokens)) {                                                     \
+    case 41: return NS::KERNEL<P, 4, 1>;                                                \
+    case 42: return NS::KERNEL<P, 4, 2>;                                                \
+    case 44: return NS::KERNEL<P, 4, 4>;                                                \
+    case 81: return NS::KERNEL<P, 8, 1>;                                                \
+    case 82: return NS::KERNEL<P, 8, 2>;                                                \
+    case 84: return NS::KERNEL<P, 8, 4>;                                                \
+  }                                                                                     \
+  return nullptr;
+
+}  // namespace moetune

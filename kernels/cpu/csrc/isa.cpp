@@ -1,0 +1,70 @@
+// Run-time ISA dispatch: which dot-product instructions this CPU has (cpuid; AMX also the kernel's
+// permission, amx.cpp), a mask that lowers them (tests, and a user who wants a portable run), the
+// features run on their C++ models instead (tests), the variant each weight view runs, and a
+// per-thread note of the variants a call used (kernels/cpu's call record).
+#include <cpuid.h>
+#include <atomic>
+#include "ops.h"
+
+namespace moetune {
+
+namespace {
+std::atomic<unsigned> g_mask{~0u};
+std::atomic<unsigned> g_emulated{0};
+thread_local unsigned t_used = 0;
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas"};
+}  // namespace
+
+unsigned detected_features() {
+  static const unsigned f = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0, out = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+      const unsigned subleaves = a;
+      if (c & (1u << 11)) out |= kFeatVnni;  // leaf 7 ECX bit 11: AVX512_VNNI
+      if (subleaves >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+        out |= kFeatBf16;  // leaf 7 subleaf 1 EAX bit 5: AVX512_BF16
+    }
+    if (amx_unavailable().empty()) out |= kFeatAmx;
+    return out;
+  }();
+  return f;
+}
+
+unsigned usable_features() { return detected_features() & g_mask.load(std::memory_order_relaxed); }
+unsigned emulated_features() { return g_emulated.load(std::memory_order_relaxed); }
+void set_feature_mask(int64_t mask) { g_mask.store((unsigned)mask); }
+int64_t feature_mask() { return g_mask.load(); }
+void set_emulated_features(int64_t mask) {
+  TORCH_CHECK((mask & ~(int64_t)(kFeatVnni | kFeatBf16)) == 0, "only VNNI and AVX512-BF16 have C++ models here");
+  g_emulated.store((unsigned)mask);
+}
+
+int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16) {
+  const unsigned have = usable_features(), emu = emulated_features();
+  auto pick = [&](unsigned feat, int native, int model) { return (emu & feat) ? model : (have & feat) ? native : kDotNone; };
+  if ((fmt == kInt8 && has_wsum) || (fmt == kInt4 && int4_i8)) {
+    if (kn.int8_isa == kInt8IsaAvx512) return kDotNone;
+    return pick(kFeatVnni, kDotVnni, kDotVnniModel);
+  }
+  if (fmt == kBF16 || (fmt == kFp8 && group % 64 == 0)) {
+    if (kn.bf16_isa == kBf16IsaAvx512 || (kn.bf16_isa == kBf16IsaAuto && !act_bf16)) return kDotNone;
+    return pick(kFeatBf16, kDotBf16, kDotBf16Model);
+  }
+  return kDotNone;
+}
+
+void reset_used() { t_used = 0; }
+void note_used(unsigned bits) { t_used |= bits; }
+void note_dot(int dot) {
+  t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
+            : dot == kDotBf16Model ? kUsedBf16Model : kUsedAvx512;
+}
+
+std::string used_variants() {
+  std::string s;
+  for (unsigned i = 0; i < sizeof(kUsedNames) / sizeof(kUsedNames[0]); ++i)
+    if (t_used & (1u << i)) s += (s.empty() ? "" : "+") + std::string(kUsedNames[i]);
+  return s;
+}
+
+}  // namespace moetune

@@ -1,0 +1,416 @@
+"""ISA variants of the cpu kernels (kernels/cpu): the named knob struct between Python and C++, the call
+record, run-time dispatch under a forced feature mask, and the dot-product microkernels
+(kernels/cpu/csrc/micro_dot.inc) on their instruction where the CPU has it and on the C++ model of
+that instruction (csrc/dot.h) on every machine.
+
+Bounds (‖got − ref‖ / ‖ref‖ on the same quantized weights, as tests/test_kernels_cpu.py):
+- INT8 and the INT4 int8 method through vpdpbusd (cpu_int8_isa=vnni): the integer sums are exact, so
+  the native instruction, its model and the vpmaddwd path (avx512) are bitwise equal, and each is
+  within the conformance bound of its format (INT8 2e-5, INT4 int8 method 1.5e-2, fused MoE 3e-2).
+- BF16 / FP8 weights through vdpbf16ps (cpu_bf16_isa): with bf16 activations the conformance bf16
+  bounds (1e-2 linear, 2e-2 fused MoE); float32 activations forced through it (avx512bf16) are
+  rounded to bf16: 1e-2 against the float reference (measured 1.5e-3 to 1.8e-3), and 2e-5 against
+  the reference fed the rounded activations (what is left is float32 summation order). The native
+  instruction equals its model bitwise (same order of the two products per lane, same denormal rules).
+Native paths are skipped, naming the feature, where cpuid does not report it.
+"""
+import itertools
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kernels import formats, reference
+from kernels.cpu_build import missing_isa
+
+if missing_isa():
+    pytest.skip(f"this CPU lacks {missing_isa()}: the cpu backend cannot run here", allow_module_level=True)
+
+import kernels.cpu as cpu  # noqa: E402
+from kernels.knobspec import Knob  # noqa: E402
+from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, LINEAR_SHAPES, MOE_CASES, TIGHT, bf16_bound, check,  # noqa: E402
+                              make_weight, moe_weights, routing, tight)
+
+HAS = cpu.detected_features()
+MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
+ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
+
+
+def needs(feature: str):
+    return pytest.mark.skipif(feature not in HAS, reason=f"native path: this CPU lacks {feature}")
+
+
+def run_linear(x, w, knobs, emulate=()):
+    with cpu.emulate(emulate), cpu.recording() as rec:
+        y = cpu.linear(x, w, knobs={**MICRO, **knobs})
+    return y, rec[-1]["isa"]
+
+
+def run_moe(x, w13, w2, tw, ids, knobs, emulate=()):
+    with cpu.emulate(emulate), cpu.recording() as rec:
+        y = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**MICRO, **knobs})
+    return y, rec[-1]["isa"]
+
+
+# ------------------------------------------------------------------ the named knob struct
+
+
+def test_struct_fields_are_the_per_call_knobs():
+    fields = {n for n, v in vars(cpu._ext.Knobs).items() if isinstance(v, property)}
+    assert fields == {n[len("cpu_"):] for n in cpu.PER_CALL_KNOBS}
+    assert not {n[len("cpu_"):] for n in cpu.LOAD_KNOBS} & fields
+    assert set(cpu.PER_CALL_KNOBS) == set(cpu.KNOB_DEFAULTS) - set(cpu.LOAD_KNOBS)
+
+
+def test_a_mismatch_between_cpp_and_the_declarations_cannot_load(monkeypatch):
+    monkeypatch.setattr(cpu, "PER_CALL_KNOBS", cpu.PER_CALL_KNOBS + ("cpu_new_tile",))
+    with pytest.raises(ImportError, match=r"only declared \['new_tile'\]"):
+        cpu._bind_knob_fields()
+    monkeypatch.setattr(cpu, "PER_CALL_KNOBS", tuple(n for n in cpu.PER_CALL_KNOBS if n != "cpu_new_tile"
+                                                     and n != "cpu_task_chunk"))
+    with pytest.raises(ImportError, match=r"only in C\+\+ \['task_chunk'\]"):
+        cpu._bind_knob_fields()
+    monkeypatch.undo()
+    declared = dict(cpu._DECLARED)
+    fp8 = declared["cpu_fp8_method"]
+    declared["cpu_fp8_method"] = Knob(fp8.name, str, fp8.default, fp8.component, fp8.help,
+                                      choices=fp8.choices + ("turbo",))
+    monkeypatch.setattr(cpu, "_DECLARED", declared)
+    with pytest.raises(ImportError, match="cpu_fp8_method.*turbo"):
+        cpu._bind_knob_fields()
+    declared["cpu_fp8_method"] = fp8
+    rows = declared["cpu_micro_rows"]
+    declared["cpu_micro_rows"] = Knob(rows.name, str, "4", rows.component, rows.help, choices=("4", "8"))
+    with pytest.raises(ImportError, match="cpu_micro_rows"):
+        cpu._bind_knob_fields()
+
+
+def test_make_knobs_fills_every_field_and_overlays_a_partial_dict():
+    base = {n: cpu._knobs[n] for n in cpu.PER_CALL_KNOBS}
+    assert cpu.knob_values(cpu.make_knobs()) == base
+    kn = cpu.make_knobs({"cpu_micro_rows": 8, "cpu_int8_isa": "avx512", "cpu_attn_kv_splits": 3})
+    assert cpu.knob_values(kn) == {**base, "cpu_micro_rows": 8, "cpu_int8_isa": "avx512", "cpu_attn_kv_splits": 3}
+    assert kn.micro_rows == 8 and kn.int8_isa == cpu._ext.Int8Isa.avx512
+    with pytest.raises(KeyError, match="cpu_nonsense"):
+        cpu.make_knobs({"cpu_nonsense": 1})
+    with pytest.raises(ValueError, match="cpu_bf16_isa"):
+        cpu.make_knobs({"cpu_bf16_isa": "amx"})
+    w = formats.DenseWeight(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="micro_rows"):  # an unset struct is refused, not run on zeros
+        cpu.linear(torch.randn(1, 64), w, knobs=cpu._ext.Knobs())
+
+
+def test_a_prebuilt_struct_is_used_as_is_and_configure_sets_the_default():
+    w = formats.quantize_int8_channel(torch.randn(40, 100))
+    x = torch.randn(3, 100)
+    kn = cpu.make_knobs({"cpu_micro_tokens": 4})
+    kn.micro_rows = 8
+    with cpu.recording() as rec:
+        cpu.linear(x, w, knobs=kn)
+        cpu.linear(x, w, knobs={"cpu_micro_tokens": 2})
+    assert rec[0]["knobs"]["cpu_micro_rows"] == 8 and rec[0]["knobs"]["cpu_micro_tokens"] == 4
+    assert rec[1]["knobs"]["cpu_micro_rows"] == cpu._knobs["cpu_micro_rows"] and rec[1]["knobs"]["cpu_micro_tokens"] == 2
+    old = cpu._knobs["cpu_micro_rows"]
+    try:
+        cpu.configure({"cpu_micro_rows": 8, "threads": 2})
+        with cpu.recording() as rec:
+            cpu.linear(x, w)
+        assert rec[0]["knobs"]["cpu_micro_rows"] == 8
+    finally:
+        cpu.configure({"cpu_micro_rows": old})
+
+
+def test_the_record_is_off_outside_and_nests():
+    assert cpu._records is None
+    w13, w2 = moe_weights(4, 64, 32, "int8")
+    tw, ids = routing(2, 4, 2, seed=1)
+    x = torch.randn(2, 64)
+    with cpu.recording() as outer:
+        cpu.linear(x, w13[0])
+        with cpu.recording() as inner:
+            cpu.fused_moe(x, w13, w2, tw, ids)
+        cache = torch.randn(4, 16, 40)
+        cpu.mla_decode(torch.randn(2, 3, 32), torch.randn(2, 3, 8), cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                       torch.tensor([20, 5], dtype=torch.int32), 0.1)
+        cpu.extend_attention(torch.randn(5, 2, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16), 0.25)
+    assert cpu._records is None
+    assert [r["op"] for r in outer] == ["linear", "mla_decode", "extend_attention"]
+    assert [(r["op"], r["format"], r["tokens"]) for r in inner] == [("fused_moe", "int8", 2)]
+    assert outer[0]["format"] == "int8" and outer[0]["tokens"] == 2 and outer[1]["format"] == "f32"
+    assert set(outer[0]["knobs"]) == set(cpu.PER_CALL_KNOBS) and outer[0]["isa"]
+
+
+# ------------------------------------------------------------------ dispatch under a feature mask
+
+
+def allowed_variants(mask: set[str]) -> set[str]:
+    need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
+    return {"avx512", "blas"} | {v for v, f in need.items() if f in mask}
+
+
+def test_dispatch_never_selects_an_instruction_the_mask_lacks():
+    g = torch.Generator().manual_seed(5)
+    weights = {f: make_weight(torch.randn(70, 256, generator=g) * 0.05, f) for f in ("int8", "int4_g128", "bf16", "fp8")}
+    masks = [set(c) for n in range(len(cpu.FEATURES) + 1) for c in itertools.combinations(sorted(cpu.FEATURES), n)]
+    for mask in masks:
+        with cpu.feature_mask(mask) as now:
+            assert now == mask & HAS == cpu.features()
+            for knob in cpu.ISA_KNOBS:
+                assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512"} | allowed_variants(mask)
+            for (fmt, w), t, dtype in itertools.product(weights.items(), (1, 5, 40), (torch.float32, torch.bfloat16)):
+                x = torch.randn(t, 256, generator=g).to(dtype)
+                for int8_isa, bf16_isa in itertools.product(("auto", "avx512", "vnni"), ("auto", "avx512", "avx512bf16")):
+                    with cpu.recording() as rec:
+                        cpu.linear(x, w, knobs={"cpu_int8_isa": int8_isa, "cpu_bf16_isa": bf16_isa,
+                                                "cpu_amx_min_tokens": 1})
+                    used = set(rec[0]["isa"].split("+"))
+                    assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
+    assert cpu.features() == HAS  # the mask is restored
+
+
+def test_auto_and_requested_variants_resolve_to_the_best_present():
+    w = formats.quantize_int8_channel(torch.randn(64, 256))
+    x = torch.randn(1, 256)
+    vnni = "avx512_vnni" in HAS
+    assert run_linear(x, w, {"cpu_int8_isa": "auto"})[1] == ("vnni" if vnni else "avx512")
+    assert run_linear(x, w, {"cpu_int8_isa": "vnni"})[1] == ("vnni" if vnni else "avx512")
+    assert run_linear(x, w, {"cpu_int8_isa": "avx512"})[1] == "avx512"
+    with cpu.feature_mask(set()):
+        assert run_linear(x, w, {"cpu_int8_isa": "vnni"})[1] == "avx512"
+        assert cpu.isa_variants()["cpu_int8_isa"]["vnni"] == "unavailable"
+        assert run_linear(x, w, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
+    wb = formats.DenseWeight(torch.randn(64, 256).to(torch.bfloat16))
+    bf16 = "avx512_bf16" in HAS
+    assert run_linear(x, wb, {"cpu_bf16_isa": "auto"})[1] == "avx512"  # float32 activations: not rounded
+    assert run_linear(x.bfloat16(), wb, {"cpu_bf16_isa": "auto"})[1] == ("avx512bf16" if bf16 else "avx512")
+    assert run_linear(x, wb, {"cpu_bf16_isa": "avx512bf16"})[1] == ("avx512bf16" if bf16 else "avx512")
+    with pytest.raises(ValueError, match="no C\\+\\+ model"):
+        with cpu.emulate(["amx"]):
+            pass
+
+
+def test_the_tuner_searches_only_variants_that_run_here():
+    from tuner.cpu_ops import runnable_catalogue
+
+    cat = runnable_catalogue(cpu)
+    for knob in cpu.ISA_KNOBS:
+        assert cat[knob].choices == cpu.runnable_choices(knob)
+        assert all(v == "auto" or cpu.isa_variants()[knob][v] == "native" for v in cat[knob].choices)
+    with cpu.feature_mask(set()):
+        assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
+        assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
+def test_dot_instructions_appear_only_in_dispatched_functions():
+    """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
+    in the functions compiled for them (dot_hw kernels, the probe's peaks, the AMX tile class)."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
+                         text=True, check=True).stdout
+    where, fn = {}, ""
+    for line in out.splitlines():
+        if line.endswith(">:") and "<" in line:
+            fn = line[line.index("<") + 1:-2]
+        elif any(op in line for op in ("vpdpbusd", "vdpbf16ps", "tdpb", "tileloadd")):
+            where.setdefault(fn, 0)
+            where[fn] += 1
+    assert where, "no dot-product instruction at all: the variants were not compiled"
+    allowed = ("dot_hw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
+    stray = [f for f in where if not any(a in f for a in allowed)]
+    assert not stray, stray
+    assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)
+
+
+# ------------------------------------------------------------------ VNNI: INT8 and the INT4 int8 method
+
+VNNI_FORMATS = ("int8", "int4_g128")
+
+
+@pytest.mark.parametrize("fmt", VNNI_FORMATS)
+@pytest.mark.parametrize("shape", sorted(LINEAR_SHAPES))
+def test_vnni_linear_equals_the_int16_path_bitwise_and_the_reference(fmt, shape):
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(t * n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(t, k, generator=g).to(dtype)
+        ref = reference.linear(x, w)
+        base, used = run_linear(x, w, {"cpu_int8_isa": "avx512"})
+        assert used == "avx512"
+        model, used = run_linear(x, w, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])
+        assert used == "vnni-model" and torch.equal(model, base), (fmt, shape, dtype)
+        check(model, ref, tight(fmt) if dtype == torch.float32 else bf16_bound(fmt, BF16_LINEAR), f"vnni model {fmt} {shape}")
+        if "avx512_vnni" in HAS:
+            native, used = run_linear(x, w, {"cpu_int8_isa": "vnni"})
+            assert used == "vnni" and torch.equal(native, model)
+
+
+@pytest.mark.parametrize("fmt", VNNI_FORMATS)
+@pytest.mark.parametrize("rows,tokens", ROWS_TOKENS)
+def test_vnni_every_microkernel_instantiation(fmt, rows, tokens):
+    g = torch.Generator().manual_seed(rows * 10 + tokens)
+    w = make_weight(torch.randn(37, 1000, generator=g) * 0.05, fmt)
+    x = torch.randn(7, 1000, generator=g)  # 7 tokens: full token groups and single-token tails
+    knobs = {"cpu_micro_rows": rows, "cpu_micro_tokens": tokens}
+    base, _ = run_linear(x, w, {**knobs, "cpu_int8_isa": "avx512"})
+    model, used = run_linear(x, w, {**knobs, "cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])
+    assert used == "vnni-model" and torch.equal(model, base)
+    check(model, reference.linear(x, w), tight(fmt), f"vnni {fmt} R={rows} MT={tokens}")
+    if "avx512_vnni" in HAS:
+        native, used = run_linear(x, w, {**knobs, "cpu_int8_isa": "vnni"})
+        assert used == "vnni" and torch.equal(native, model)
+
+
+@pytest.mark.parametrize("fmt", VNNI_FORMATS)
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_vnni_fused_moe(fmt, case):
+    t, e, d, i, k, pool = MOE_CASES[case]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
+    base, _ = run_moe(x, w13, w2, tw, ids, {"cpu_int8_isa": "avx512"})
+    model, used = run_moe(x, w13, w2, tw, ids, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])
+    assert used == "vnni-model" and torch.equal(model, base)
+    check(model, reference.fused_moe(x, w13, w2, tw, ids), tight(fmt, op="fused_moe"), f"vnni moe {fmt} {case}")
+    if "avx512_vnni" in HAS:
+        native, used = run_moe(x, w13, w2, tw, ids, {"cpu_int8_isa": "vnni"})
+        assert used == "vnni" and torch.equal(native, model)
+
+
+def test_vnni_extreme_values_are_exact():
+    """Weights at −128 and 127, activations at ±amax (u8 1 and 255 after + 128), a K tail: the
+    +128 compensation and the model's sign handling exact (equal to the int16 path and the reference)."""
+    g = torch.Generator().manual_seed(11)
+    wi = torch.randint(-128, 128, (13, 1001), generator=g, dtype=torch.int8)
+    wi[0], wi[1], wi[2, ::2] = -128, 127, -128
+    w = formats.Int8ChannelWeight(wi, torch.rand(13, generator=g) + 0.5)
+    x = torch.randn(4, 1001, generator=g)
+    x[0], x[1, ::3], x[2] = 1.0, -3.0, -1.0
+    base, _ = run_linear(x, w, {"cpu_int8_isa": "avx512", "cpu_micro_tokens": 4})
+    model, _ = run_linear(x, w, {"cpu_int8_isa": "vnni", "cpu_micro_tokens": 4}, emulate=["avx512_vnni"])
+    assert torch.equal(model, base)
+    check(model, reference.linear(x, w), TIGHT, "vnni extremes")
+    if "avx512_vnni" in HAS:
+        assert torch.equal(run_linear(x, w, {"cpu_int8_isa": "vnni", "cpu_micro_tokens": 4})[0], model)
+
+
+@needs("avx512_vnni")
+def test_native_vnni_is_the_default_here():
+    w = formats.quantize_int8_channel(torch.randn(64, 256))
+    with cpu.recording() as rec:
+        cpu.linear(torch.randn(1, 256), w)
+    assert rec[0]["isa"] == "vnni"
+
+
+# ------------------------------------------------------------------ AVX512-BF16: BF16 and FP8 weights
+
+BF16_FORMATS = ("bf16", "fp8")
+
+
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("shape", sorted(LINEAR_SHAPES))
+def test_bf16_dot_linear(fmt, shape):
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(t * n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+    x = torch.randn(t, k, generator=g)
+    xr = x.bfloat16()
+    emulate = ["avx512_bf16"]
+    got, used = run_linear(xr, w, {"cpu_bf16_isa": "auto"}, emulate)  # bf16 activations: taken by auto
+    assert used == "avx512bf16-model"
+    check(got, reference.linear(xr, w), BF16_LINEAR, f"bf16 dot {fmt} {shape} bf16 activations")
+    assert run_linear(x, w, {"cpu_bf16_isa": "auto"}, emulate)[1] == "avx512"  # float32 ones: not rounded
+    forced, used = run_linear(x, w, {"cpu_bf16_isa": "avx512bf16"}, emulate)
+    assert used == "avx512bf16-model"
+    check(forced, reference.linear(xr.float(), w), TIGHT, f"bf16 dot {fmt} {shape} vs rounded activations")
+    check(forced, reference.linear(x, w), BF16_LINEAR, f"bf16 dot {fmt} {shape} vs float activations")
+    if "avx512_bf16" in HAS:
+        native, used = run_linear(x, w, {"cpu_bf16_isa": "avx512bf16"})
+        assert used == "avx512bf16" and torch.equal(native, forced)
+
+
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("rows,tokens", ROWS_TOKENS)
+def test_bf16_dot_every_microkernel_instantiation(fmt, rows, tokens):
+    g = torch.Generator().manual_seed(rows * 10 + tokens)
+    w = make_weight(torch.randn(37, 1000, generator=g) * 0.05, fmt)
+    x = torch.randn(7, 1000, generator=g).bfloat16().float()
+    knobs = {"cpu_micro_rows": rows, "cpu_micro_tokens": tokens, "cpu_bf16_isa": "avx512bf16"}
+    model, used = run_linear(x, w, knobs, ["avx512_bf16"])
+    assert used == "avx512bf16-model"
+    check(model, reference.linear(x, w), TIGHT, f"bf16 dot {fmt} R={rows} MT={tokens}")
+    if "avx512_bf16" in HAS:
+        assert torch.equal(run_linear(x, w, knobs)[0], model)
+
+
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_bf16_dot_fused_moe(fmt, case):
+    t, e, d, i, k, pool = MOE_CASES[case]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got, used = run_moe(x, w13, w2, tw, ids, {"cpu_bf16_isa": "auto"}, ["avx512_bf16"])
+    assert used == "avx512bf16-model"
+    check(got, reference.fused_moe(x, w13, w2, tw, ids), bf16_bound(fmt, BF16_MOE, "fused_moe"), f"bf16 dot moe {fmt} {case}")
+    xf = x.float()
+    forced, _ = run_moe(xf, w13, w2, tw, ids, {"cpu_bf16_isa": "avx512bf16"}, ["avx512_bf16"])
+    check(forced, reference.fused_moe(xf, w13, w2, tw, ids), BF16_LINEAR, f"bf16 dot moe {fmt} {case} float32")
+    if "avx512_bf16" in HAS:
+        assert torch.equal(run_moe(xf, w13, w2, tw, ids, {"cpu_bf16_isa": "avx512bf16"})[0], forced)
+
+
+def _bf16_semantics_case():
+    """Three rows of K = 34 against one activation row, each probing one rule of vdpbf16ps:
+    row 0: lane 0 gets 1 (even), then 2^-24 (odd) before −1 (even): odd-first rounds 1 + 2^-24 to 1,
+    so the lane ends at 0 (the other order, or float32 FMAs, give 2^-24); row 1: a bf16 denormal
+    weight × 2^100 reads as 0 (float32 FMAs: 1.2e-10); row 2: 2^-70 · 2^-70 = 2^-140 is flushed to 0."""
+    w = torch.zeros(3, 34)
+    w[0, 0], w[0, 32], w[0, 33] = 1.0, -1.0, 2.0 ** -24
+    w[1, 2] = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16).float()  # the smallest denormal
+    w[2, 4] = 2.0 ** -70
+    x = torch.ones(1, 34)
+    x[0, 2], x[0, 4] = 2.0 ** 100, 2.0 ** -70
+    return formats.DenseWeight(w.bfloat16()), x
+
+
+def test_bf16_dot_model_has_the_instructions_order_and_denormal_rules():
+    w, x = _bf16_semantics_case()
+    fma, _ = run_linear(x, w, {"cpu_bf16_isa": "avx512"})
+    assert fma[0, 0] == 2.0 ** -24 and fma[0, 1] > 1e-11 and fma[0, 2] > 0  # the case discriminates
+    model, used = run_linear(x, w, {"cpu_bf16_isa": "avx512bf16"}, ["avx512_bf16"])
+    assert used == "avx512bf16-model"
+    assert model.tolist() == [[0.0, 0.0, 0.0]]
+
+
+@needs("avx512_bf16")
+def test_native_bf16_dot_has_the_same_rules():
+    w, x = _bf16_semantics_case()
+    native, used = run_linear(x, w, {"cpu_bf16_isa": "avx512bf16"})
+    assert used == "avx512bf16" and native.tolist() == [[0.0, 0.0, 0.0]]
+
+
+# ------------------------------------------------------------------ the probe's readers and peaks
+
+
+def test_probe_read_methods_and_peaks():
+    import math
+
+    ext = cpu.extension()
+    buf = torch.ones(1 << 16)
+    for streams, lines, ahead, nt in itertools.product((1, 4, 16), (1, 4), (0, 2048), (False, True)):
+        d = ext.read_seconds_method(buf, streams, lines, ahead, nt)
+        assert d > 0 and math.isfinite(d)
+    for bad in ((0, 1, 0, False), (4, 9, 0, False), (4, 1, -1, False)):
+        with pytest.raises(RuntimeError, match="read_seconds_method"):
+            ext.read_seconds_method(buf, *bad)
+    if "avx512_vnni" in HAS:
+        assert ext.vnni_int8_gops(1000) > 0
+    with cpu.feature_mask(set()):
+        with pytest.raises(RuntimeError, match="VNNI"):
+            ext.vnni_int8_gops(10)
+        with pytest.raises(RuntimeError, match="BF16"):
+            ext.bf16_dot_gflops(10)
+        with pytest.raises(RuntimeError, match="AMX"):
+            ext.amx_peak_gops(10, True)
