@@ -113,15 +113,17 @@ class LLM:
                 ops.configure(self.knobs)
             except ValueError as e:
                 raise MoetuneError(str(e)) from e
-        if hasattr(ops, "prepare_weights"):  # backends repack weights once, at load
-            weights = ops.prepare_weights(weights)
-        self.kernel_plan: list = []  # per call site and bucket: the knobs its calls use (moetune explain)
-        if getattr(ops, "__name__", "") == "kernels.cpu":
-            ops = self._tuned_ops(ops, weights, knobs or {}, kernel_tables)
         absorb = self.knobs["mla_absorb"]
         if self.knobs["batch_invariant"]:  # see engine/invariant.py
-            ops, absorb = RowwiseOps(ops), "always"
+            absorb = "always"
         self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=absorb)
+        self.kernel_plan: list = []  # per call site and bucket: the knobs its calls use (moetune explain)
+        if getattr(ops, "__name__", "") == "kernels.cpu":
+            sited = {**self.model.w, **{f"layers.{i}.router": r for i, r in self.model.routers.items()}}
+            ops = self._tuned_ops(ops, sited, knobs or {}, kernel_tables)
+        if self.knobs["batch_invariant"]:
+            ops = RowwiseOps(ops)
+        self.model.ops = ops
         c = self.config
         self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
                                    c.kv_lora_rank + c.qk_rope_head_dim, self.dtype, self.device)

@@ -57,7 +57,8 @@ class DeepseekV3:
         self.w_uk, self.w_uv = {}, {}
         for i in range(cfg.num_hidden_layers):
             self.w_uk[i], self.w_uv[i] = self._absorbed_weights(i)
-        self.routers = {i: DenseWeight(weights[f"layers.{i}.router"])
+        prepare = getattr(ops, "prepare", lambda w: w)
+        self.routers = {i: prepare(DenseWeight(weights[f"layers.{i}.router"]))
                         for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
 
     # ------------------------------------------------------------ weights for absorption
