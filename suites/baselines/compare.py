@@ -260,7 +260,7 @@ def table(rows: list[dict]) -> str:
 
 def run_compare(args) -> int:
     from results.store import append_rows, new_run_id
-    from tuner.fingerprint import fingerprint
+    from engine.fingerprint import fingerprint
 
     if args.repeats < 1:
         raise MoetuneError("--repeats must be ≥ 1 (≥ 5 for published figures)")
