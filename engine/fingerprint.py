@@ -151,3 +151,23 @@ def fingerprint() -> dict:
     fp["hash"] = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
     return fp
 
+
+def describe(fp: dict) -> str:
+    """One line a person reads: CPU, cores, ISA, memory, GPUs, torch (a stored fingerprint may
+    lack fields: those are left out)."""
+    parts = [fp.get("cpu_model") or "unknown CPU"]
+    if fp.get("cores_usable"):
+        topo = [f"{fp[k]} {name}" for k, name in (("sockets", "socket"), ("physical_cores", "physical cores"),
+                                                   ("numa_nodes", "NUMA node")) if fp.get(k)]
+        parts.append(f"{fp['cores_usable']} cores usable" + (f" ({', '.join(topo)})" if topo else ""))
+    if fp.get("isa"):
+        parts.append(fp["isa"].replace(",", " "))
+    if fp.get("memory_gib"):
+        parts.append(f"{fp['memory_gib']} GiB")
+    if fp.get("gpu_count"):
+        parts.append(f"{fp['gpu_count']}× {fp.get('gpu_name', 'GPU')} ({fp.get('gpu_memory_gib', '?')} GiB)")
+    elif "gpu_count" in fp:
+        parts.append("no GPU")
+    if fp.get("torch"):
+        parts.append(f"torch {fp['torch']}")
+    return " · ".join(str(p) for p in parts)
