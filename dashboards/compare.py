@@ -9,19 +9,10 @@ from __future__ import annotations
 import html
 import json
 
+from results.labels import metric_axis, metric_title, number, workload_label
+
 TIME_METRICS = ("ttft_s", "tpot_s", "moe_s")
 FIGURE_ID = "compare"
-
-
-def workload_label(text: str) -> str:
-    w = json.loads(text) if isinstance(text, str) else {}
-    if w.get("kind") == "io":
-        return f"io {w['prompt']}/{w['decode']}"
-    if w.get("kind") == "ttft":
-        return f"prompt {w['prompt']}"
-    if w.get("kind") == "moe":
-        return f"MoE T={w['tokens']}"
-    return str(text)[:30]
 
 
 def compare_figure(rows):
@@ -31,7 +22,7 @@ def compare_figure(rows):
     rows = rows.assign(engine=[json.loads(e).get("engine", "?") for e in rows["extra"]],
                        label=[workload_label(w) for w in rows["workload"]])
     metrics = [m for m in TIME_METRICS if (rows["metric"] == m).any()]
-    fig = make_subplots(rows=1, cols=max(len(metrics), 1), subplot_titles=[f"{m} (ms)" for m in metrics])
+    fig = make_subplots(rows=1, cols=max(len(metrics), 1), subplot_titles=[metric_title(m, "s") for m in metrics])
     colours = {}
     for j, metric in enumerate(metrics, start=1):
         sel = rows[rows["metric"] == metric]
@@ -41,12 +32,14 @@ def compare_figure(rows):
                         legendgroup=engine, showlegend=j == 1, row=1, col=j,
                         error_y=dict(type="data", symmetric=False, array=(part["p90"] - part["median"]) * 1e3,
                                      arrayminus=(part["median"] - part["p10"]) * 1e3))
+        fig.update_yaxes(title_text="ms", row=1, col=j)
     fig.update_layout(barmode="group")
     return fig
 
 
-def ratio_table(rows) -> str:
-    """HTML: workload | metric | moetune | baseline | baseline value | ratio."""
+def ratio_table(rows, engines: tuple[str, ...] | None = None) -> str:
+    """HTML: workload | metric | moetune | baseline | baseline value | ratio (only `engines`' rows
+    when given). Times in milliseconds, rates in tokens/s."""
     out = ["<table><tr><th>workload</th><th>metric</th><th>moetune median [p10–p90]</th><th>baseline</th>"
            "<th>baseline median [p10–p90]</th><th>ratio</th></tr>"]
     rows = rows.assign(engine=[json.loads(e).get("engine", "?") for e in rows["extra"]])
@@ -55,10 +48,16 @@ def ratio_table(rows) -> str:
         if not len(ours):
             continue
         o = ours.iloc[-1]
+        name, shown, scale = metric_axis(metric, o["unit"])
+
+        def fmt(r) -> str:
+            return f"{number(r['median'] * scale)} [{number(r['p10'] * scale)}–{number(r['p90'] * scale)}] {shown}"
+
         for _, t in grp[grp["engine"] != "moetune"].iterrows():
+            if engines is not None and t["engine"] not in engines:
+                continue
             ratio = t["median"] / o["median"] if o["direction"] == "minimize" else o["median"] / t["median"]
-            fmt = (lambda r: f"{r['median']:.4g} [{r['p10']:.3g}–{r['p90']:.3g}] {r['unit']}")
-            out.append(f"<tr><td>{html.escape(workload_label(wl))}</td><td>{html.escape(metric)}</td>"
+            out.append(f"<tr><td>{html.escape(workload_label(wl))}</td><td>{html.escape(name)}</td>"
                        f"<td>{fmt(o)}</td><td>{html.escape(t['engine'])}</td><td>{fmt(t)}</td>"
                        f"<td><b>{ratio:.2f}×</b></td></tr>")
     out.append("</table>")
@@ -84,7 +83,7 @@ def compare_parts(df, div) -> list[str]:
              "for rates (&gt; 1: moetune faster). Only figures measured here appear on this page.</p>"]
     for i, run in enumerate(sorted(rows["run_id"].unique(), reverse=True)):
         sel = rows[rows["run_id"] == run]
-        title = f"Run {run}: {', '.join(sel['model'].unique())} ({', '.join(sel['format'].dropna().unique())})"
+        title = f"Run {run}: {', '.join(sel['model'].dropna().unique())} ({', '.join(sel['format'].dropna().unique())})"
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(div(compare_figure(sel), FIGURE_ID if i == 0 else f"{FIGURE_ID}-{i}",
                          "Median, bars p10–p90"))

@@ -1,14 +1,19 @@
 """`moetune report [--out DIR]`: static plotly HTML from the result store, readable offline.
 
     DIR/plotly.min.js        written once, beside the pages (no network needed)
-    DIR/index.html           tuned vs defaults (with spreads), kernel rooflines, baselines, study list
+    DIR/index.html           the page to open first: the machine, the tuned profile in use, its gain
+                             over the defaults with the spread, moetune against llama.cpp and
+                             KTransformers; then tuned vs defaults, kernel rooflines, baselines
+                             (one figure per unit), the study list
     DIR/compare.html         `moetune compare` runs: TTFT/TPOT/MoE bars with spreads, ratio tables
     DIR/study-<n>.html       per study: tuning history + best so far, knob importances,
                              parallel coordinates, Pareto front (two objectives)
 
 Everything is read from the Parquet store (results.store), so a report can be built on another
-machine from a copied results folder. Each figure is a div with a stable id (FIGURE_IDS says which
-a page should have), which the headless-browser test checks.
+machine from a copied results folder (and the profiles from the profile folder). Workloads are
+named by results.labels (`batch 4 × 128/16`, `prompt 512`), never shown as raw dicts; each axis
+has one unit (seconds shown in milliseconds). Each figure is a div with a stable id (FIGURE_IDS
+says which a page should have), which the headless-browser test checks.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+
+from results.labels import metric_axis, metric_title, number, workload_label
 
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -58,8 +65,8 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:80]
 
 
-def build_report(out: Path | None = None, results: Path | None = None) -> Path:
-    """Write every page; returns the folder."""
+def build_report(out: Path | None = None, results: Path | None = None, profiles: Path | None = None) -> Path:
+    """Write every page; returns the folder. `profiles`: the profile folder (default: the engine's)."""
     import plotly.offline
 
     from results.store import read_results
@@ -74,15 +81,18 @@ def build_report(out: Path | None = None, results: Path | None = None) -> Path:
         rows = df[(df["study"] == study) & (df["suite"].isin(["autotune", "kernels-autotune"]))]
         if len(rows):
             name = f"study-{slug(study)}.html"
-            _write(out / name, f"Study {study}", study_figures(rows))
-            links.append(f'<li><a href="{name}">{html.escape(study)}</a> ({rows["trial"].nunique()} trials)</li>')
+            wl = workload_label(rows["workload"].iloc[0])
+            _write(out / name, f"Study {study}" + (f": {wl}" if wl else ""), study_figures(rows))
+            links.append(f'<li><a href="{name}">{html.escape(study)}</a> ({html.escape(wl)}; '
+                         f'{rows["trial"].nunique()} trials)</li>')
     from dashboards.compare import compare_parts
 
     compare = compare_parts(df, _div)
     if compare:  # `moetune compare` runs: their own page
         _write(out / "compare.html", "moetune vs baselines", compare)
         links.append('<li><a href="compare.html">moetune vs baselines (moetune compare)</a></li>')
-    body = overview_figures(df) + [f"<h2>Studies</h2><ul>{''.join(links) or '<li>none yet</li>'}</ul>"]
+    body = (first_page(df, profiles) + ["<h2>Figures</h2>"] + overview_figures(df)
+            + [f"<h2>Studies</h2><ul>{''.join(links) or '<li>none yet</li>'}</ul>"])
     _write(out / "index.html", "moetune report", body)
     return out
 
@@ -105,31 +115,42 @@ def study_figures(rows) -> list[str]:
     """History, importances, parallel coordinates (first metric), Pareto front (two metrics)."""
     metrics = list(dict.fromkeys(rows["metric"]))
     first = rows[rows["metric"] == metrics[0]]
-    parts = [_div(history_figure(first), "history", f"Tuning history: {metrics[0]} per trial, best so far"),
+    name = _axis(first)[0]
+    wl = workload_label(rows["workload"].iloc[0])
+    parts = [f"<p>Workload: <b>{html.escape(wl)}</b></p>" if wl else "",
+             _div(history_figure(first), "history", f"Tuning history: {name} per trial, best so far"),
              _div(importance_figure(first), "importance", "Knob importance (ω²: share of the variance of log value)"),
-             _div(parallel_figure(first), "parallel", f"Parallel coordinates: knobs → {metrics[0]}")]
+             _div(parallel_figure(first), "parallel", f"Parallel coordinates: knobs → {name}")]
     if len(metrics) == 2:
-        parts.append(_div(pareto_figure(rows, metrics), "pareto", f"Pareto front: {metrics[0]} vs {metrics[1]}"))
+        names = [_axis(rows[rows["metric"] == m])[0] for m in metrics]
+        parts.append(_div(pareto_figure(rows, metrics), "pareto", f"Pareto front: {names[0]} vs {names[1]}"))
     return parts
+
+
+def _axis(rows) -> tuple[str, float]:
+    """(axis title with its unit, scale to that unit) of the rows' metric (one metric)."""
+    metric, unit = rows["metric"].iloc[0], rows["unit"].iloc[0]
+    return metric_title(metric, unit), metric_axis(metric, unit)[2]
 
 
 def history_figure(rows):
     import plotly.graph_objects as go
 
+    title, scale = _axis(rows)
     fig = go.Figure()
     for status, marker in (("ok", "circle"), ("pruned", "x"), ("failed", "triangle-down"),
                            ("wrong", "diamond"), ("timeout", "square")):
         sel = rows[rows["status"] == status]
         if len(sel):
-            y = sel["median"].where(np.isfinite(sel["median"]), other=None)
+            y = (sel["median"] * scale).where(np.isfinite(sel["median"]), other=None)
             fig.add_scatter(x=sel["trial"], y=y, mode="markers", name=status, marker_symbol=marker,
                             text=sel["error"].fillna(""), hovertemplate="trial %{x}: %{y}<br>%{text}")
     ok = rows[rows["status"] == "ok"].sort_values("trial")
     if len(ok):
         best = ok["median"].cummin() if ok["direction"].iloc[0] != "maximize" else ok["median"].cummax()
-        fig.add_scatter(x=ok["trial"], y=best, mode="lines", name="best so far", line_shape="hv")
+        fig.add_scatter(x=ok["trial"], y=best * scale, mode="lines", name="best so far", line_shape="hv")
     fig.update_xaxes(title="trial")
-    fig.update_yaxes(title=f"{rows['metric'].iloc[0]} ({rows['unit'].iloc[0] or ''})")
+    fig.update_yaxes(title=title)
     return fig
 
 
@@ -194,8 +215,9 @@ def parallel_figure(rows):
             cats = sorted(labels.unique())
             dims.append(dict(label=col.removeprefix("knob."), values=[cats.index(v) for v in labels],
                              tickvals=list(range(len(cats))), ticktext=cats))
-    y = ok["median"].astype(float).tolist()
-    dims.append(dict(label=ok["metric"].iloc[0] if len(ok) else "value", values=y))
+    title, scale = _axis(ok) if len(ok) else ("value", 1.0)
+    y = (ok["median"].astype(float) * scale).tolist()
+    dims.append(dict(label=title, values=y))
     fig = go.Figure(go.Parcoords(dimensions=dims, line=dict(color=y, colorscale="Viridis", showscale=True)))
     fig.update_layout(margin=dict(t=110))
     return fig
@@ -210,8 +232,11 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 def pareto_figure(rows, metrics):
     import plotly.graph_objects as go
 
+    axes = {m: _axis(rows[rows["metric"] == m]) for m in metrics}
     ok = rows[rows["status"] == "ok"].pivot_table(index="trial", columns="metric", values="median")
     ok = ok.dropna()
+    for m in metrics:
+        ok[m] = ok[m] * axes[m][1]
     pts = list(zip(ok[metrics[0]], ok[metrics[1]]))
     front = sorted(pareto_front(pts), key=lambda i: pts[i][0])
     fig = go.Figure()
@@ -219,16 +244,185 @@ def pareto_figure(rows, metrics):
                     text=[f"trial {t}" for t in ok.index])
     fig.add_scatter(x=[pts[i][0] for i in front], y=[pts[i][1] for i in front], mode="lines+markers",
                     name="Pareto front", line_shape="hv")
-    fig.update_xaxes(title=metrics[0])
-    fig.update_yaxes(title=metrics[1])
+    fig.update_xaxes(title=axes[metrics[0]][0])
+    fig.update_yaxes(title=axes[metrics[1]][0])
     return fig
 
 
-# ------------------------------------------------------------------ overview
+# ------------------------------------------------------------------ the first page
+
+# (engine in the rows, name on the page, `moetune compare --baselines` value)
+BASELINES = (("llama.cpp", "llama.cpp", "llama.cpp"), ("kt-kernel", "KTransformers (kt-kernel)", "ktransformers"))
+
+
+def first_page(df, profiles: Path | None = None) -> list[str]:
+    """What a user reads first: the machine, the profile in use, its gain, the baselines."""
+    from engine.fingerprint import fingerprint
+
+    here = fingerprint()
+    profs = _profiles(profiles)
+    return [machine_section(df, here, profs), profile_section(profs, here["hardware_key"]),
+            gain_section(df, profs), baselines_section(df)]
+
+
+def _profiles(directory: Path | None) -> list:
+    """Every readable profile in the folder, whichever machine made it (broken files are skipped)."""
+    from engine.errors import MoetuneError
+    from engine.profile import load_profile, profile_dir
+
+    out = []
+    for path in sorted(Path(directory or profile_dir()).glob("*.toml")):
+        try:
+            out.append(load_profile(path, force=True))
+        except MoetuneError:
+            continue
+    return out
+
+
+def machine_section(df, here: dict, profs: list) -> str:
+    """This machine, and every other machine whose rows the results hold (described where one of
+    its profiles carries its fingerprint)."""
+    from engine.fingerprint import describe
+
+    key = here["hardware_key"]
+    counts = df["hardware_key"].value_counts() if len(df) else {}
+    lines = [f"<li><b>{html.escape(describe(here))}</b> — hardware key <code>{key}</code>, where this "
+             f"report was built ({int(counts.get(key, 0))} result rows)</li>"]
+    known = {p.hardware_key: p.meta.get("fingerprint") or {} for p in profs}
+    for other, n in (counts.items() if len(df) else []):
+        if other and other != key:
+            fp = known.get(other)
+            what = html.escape(describe(fp)) if fp else "not described here (no profile of it in the folder)"
+            lines.append(f"<li>{what} — hardware key <code>{html.escape(str(other))}</code> "
+                         f"({int(n)} result rows)</li>")
+    return f"<h2>Machine</h2><ul>{''.join(lines)}</ul>"
+
+
+def _gain_text(median: float, low: float, high: float) -> str:
+    verdict = ("beyond the spread" if low > 0 else
+               "worse beyond the spread" if high < 0 else "within the spread")
+    return f"{median:+.1%} [{low:+.1%}, {high:+.1%}] ({verdict})"
+
+
+def profile_section(profs: list, key: str) -> str:
+    """The profiles `moetune serve` and `LLM(..., profile="auto")` load on this machine."""
+    mine = [p for p in profs if p.hardware_key == key]
+    others = len(profs) - len(mine)
+    head = "<h2>Tuned profile in use</h2>"
+    note = (f"<p>{others} profile(s) in the folder were tuned on other machines (refused here unless forced).</p>"
+            if others else "")
+    if not mine:
+        return head + ("<p>No tuned profile for this machine: the engine runs with the defaults "
+                       "(<code>moetune autotune</code> writes one).</p>") + note
+    rows = ["<table><tr><th>model</th><th>objective (workload)</th><th>study, trial</th><th>knobs changed</th>"
+            "<th>kernel tables</th><th>gain over the defaults, median [p10, p90]</th><th>made</th></tr>"]
+    for p in mine:
+        m = p.meta
+        trial = ("kernel tier only" if m.get("objective") == "kernel tier" else
+                 f"trial {m['trial']}" if m.get("trial", -1) not in (-1, None) else "defaults kept")
+        knobs = ", ".join(f"{k} = {v}" for k, v in sorted(p.knobs.items())) or "none"
+        tables = ", ".join(f"{op} ({len(t)} rows)" for op, t in sorted(p.kernel_tables.items())) or "none"
+        spread = m.get("gain_spread", {})
+        gains = "<br>".join(f"{html.escape(metric_axis(name, None)[0])}: "
+                            + (_gain_text(g, *spread[name]) if len(spread.get(name, [])) == 2 else f"{g:+.1%}")
+                            for name, g in m.get("gain", {}).items()) or "—"
+        wl = workload_label(m.get("workload"))
+        objective = str(m.get("objective", "")) + (f" ({wl})" if wl else "")
+        made = f"{m.get('created', '')} (commit {m.get('commit', '?')})"
+        cells = [f"{html.escape(p.model_key)}<br><small>{html.escape(str(p.path))}</small>", html.escape(objective),
+                 html.escape(f"{m.get('study', '')}, {trial}"), html.escape(knobs), html.escape(tables), gains,
+                 html.escape(made)]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    rows.append("</table>")
+    return head + "".join(rows) + note
+
+
+def _latest_confirm(df):
+    confirm = df[df["suite"] == "autotune-confirm"] if len(df) else df
+    if not len(confirm):
+        return confirm
+    return confirm[confirm["run_id"] == confirm.groupby("study")["run_id"].transform("max")]
+
+
+def _label(extra) -> str:
+    return json.loads(extra).get("label", "?") if isinstance(extra, str) else "?"
+
+
+def paired_gains(tuned, defaults, direction: str) -> list[float]:
+    """Per round of the confirmation (the candidates were measured alternately): the gain of the
+    tuned sample over the defaults' sample of the same round (0.1: 10 % better)."""
+    n = min(len(tuned), len(defaults))
+    if direction == "minimize":
+        return [d / t - 1.0 for t, d in zip(tuned[:n], defaults[:n]) if t > 0]
+    return [t / d - 1.0 for t, d in zip(tuned[:n], defaults[:n]) if d > 0]
+
+
+def gain_section(df, profs: list) -> str:
+    """Per study, the latest confirmation: the defaults against the kept (else the best) finalist."""
+    from results.store import stats
+
+    head = "<h2>Gain over the defaults</h2>"
+    latest = _latest_confirm(df)
+    if not len(latest):
+        return head + "<p>No confirmation round yet: run <code>moetune autotune</code>.</p>"
+    kept = {(p.meta.get("study"), p.meta.get("trial")) for p in profs if p.meta.get("kept", True)}
+    out = [head, "<p>The confirmation round re-measures the defaults and the finalists alternately; the gain "
+                 "is paired round by round (median [p10, p90]; &gt; 0: better than the defaults).</p>",
+           "<table><tr><th>study</th><th>workload</th><th>metric</th><th>defaults, median [p10–p90]</th>"
+           "<th>tuned</th><th>tuned, median [p10–p90]</th><th>gain</th></tr>"]
+    for (study, metric), sel in latest.groupby(["study", "metric"], sort=False):
+        labels = [_label(e) for e in sel["extra"]]
+        base = [r for r, lab in zip(sel.itertuples(), labels) if lab == "defaults"]
+        cands = [(r, lab) for r, lab in zip(sel.itertuples(), labels) if lab != "defaults"]
+        if not base or not cands:
+            continue
+        d = base[-1]
+        sign = 1 if d.direction == "minimize" else -1
+        chosen = next(((r, lab) for r, lab in cands if (study, _trial(lab)) in kept), None)
+        r, lab = chosen or min(cands, key=lambda c: sign * c[0].median)
+        g = stats(paired_gains(list(r.samples), list(d.samples), d.direction))
+        _, shown, scale = metric_axis(metric, d.unit)
+        val = (lambda x: f"{number(x.median * scale)} [{number(x.p10 * scale)}–{number(x.p90 * scale)}] {shown}")
+        gain = _gain_text(g["median"], g["p10"], g["p90"]) if g["repeats"] else "—"
+        out.append(f"<tr><td>{html.escape(study)}</td><td>{html.escape(workload_label(d.workload))}</td>"
+                   f"<td>{html.escape(metric_axis(metric, d.unit)[0])}</td><td>{val(d)}</td>"
+                   f"<td>{html.escape(lab)}{' (in the profile)' if chosen else ' (best finalist, not kept)'}</td>"
+                   f"<td>{val(r)}</td><td>{gain}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _trial(label: str) -> int | None:
+    parts = label.split()
+    return int(parts[1]) if len(parts) == 2 and parts[0] == "trial" and parts[1].isdigit() else None
+
+
+def baselines_section(df) -> str:
+    """Ratios against each baseline, from its latest `moetune compare` run."""
+    from dashboards.compare import ratio_table
+
+    rows = df[df["suite"] == "compare"] if len(df) else df
+    engines = [json.loads(e).get("engine", "?") if isinstance(e, str) else "?" for e in rows["extra"]]
+    out = ["<h2>Against llama.cpp and KTransformers</h2>"]
+    for engine, name, option in BASELINES:
+        runs = rows["run_id"][[e == engine for e in engines]] if len(rows) else []
+        if not len(runs):
+            out.append(f"<h3>{html.escape(name)}</h3><p>No comparison run yet "
+                       f"(<code>moetune compare --baselines {option}</code>).</p>")
+            continue
+        sel = rows[rows["run_id"] == runs.max()]
+        models = ", ".join(sel["model"].dropna().unique())
+        out.append(f"<h3>{html.escape(name)}</h3><p>Run {html.escape(runs.max())} ({html.escape(models)}); "
+                   "ratio &gt; 1: moetune faster. Every run: <a href=\"compare.html\">compare.html</a>.</p>"
+                   + ratio_table(sel, engines=(engine,)))
+    return "".join(out)
+
+
+# ------------------------------------------------------------------ overview figures
 
 def overview_figures(df) -> list[str]:
     parts = []
-    confirm = df[df["suite"] == "autotune-confirm"] if len(df) else df
+    confirm = _latest_confirm(df)
     if len(confirm):
         parts.append(_div(tuned_vs_defaults_figure(confirm), "tuned-vs-defaults",
                           "Tuned vs defaults: re-measured alternately (median, bars p10–p90)"))
@@ -239,34 +433,40 @@ def overview_figures(df) -> list[str]:
         parts.append(_div(roofline_figure(kern, df[df["suite"] == "probe"]), "roofline",
                           "Kernel roofline: achieved GFLOP/s vs arithmetic intensity, probe limits"))
     base = df[df["extra"].fillna("").str.contains('"engine"')] if len(df) else df
-    if len(base):
-        parts.append(_div(baseline_figure(base), "baselines", "Against baselines (median, bars p10–p90)"))
+    for shown, fig in baseline_figures(base):
+        parts.append(_div(fig, "baselines" + (f"-{slug(shown)}" if shown else ""),
+                          f"Against baselines{', ' + shown if shown else ''} (latest run; median, bars p10–p90)"))
     if not parts:
         parts.append("<p>No results yet: run <code>moetune autotune</code>.</p>")
     return parts
 
 
-def tuned_vs_defaults_figure(confirm):
-    """The latest confirmation of each study: defaults and finalists, per metric."""
-    import plotly.graph_objects as go
+def tuned_vs_defaults_figure(latest):
+    """The latest confirmation of each study (`latest`): defaults and finalists, one subplot (and
+    one unit) per metric."""
     from plotly.subplots import make_subplots
 
-    latest = confirm[confirm["run_id"] == confirm.groupby("study")["run_id"].transform("max")]
     metrics = list(dict.fromkeys(latest["metric"]))
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    units = {m: latest[latest["metric"] == m]["unit"].iloc[0] for m in metrics}
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[metric_title(m, units[m]) for m in metrics])
     for j, metric in enumerate(metrics, start=1):
         sel = latest[latest["metric"] == metric]
-        labels = [json.loads(e).get("label", "?") for e in sel["extra"]]
+        _, shown, scale = metric_axis(metric, units[metric])
+        labels = [_label(e) for e in sel["extra"]]
+        wls = [workload_label(w) for w in sel["workload"]]
         base = {st: m for st, m, lab in zip(sel["study"], sel["median"], labels) if lab == "defaults"}
         sign = -1 if (sel["direction"] == "minimize").all() else 1
         text = [("" if lab == "defaults" or st not in base else
                  f"{(base[st] / m if sign < 0 else m / base[st]) - 1:+.1%}")
                 for st, m, lab in zip(sel["study"], sel["median"], labels)]
-        x = labels if sel["study"].nunique() == 1 else [f"{lab}<br>{st[-30:]}" for lab, st in zip(labels, sel["study"])]
-        fig.add_bar(x=x, y=sel["median"], name=metric, showlegend=False, row=1, col=j, text=text,
-                    hovertext=sel["study"], error_y=dict(type="data", symmetric=False,
-                                                         array=sel["p90"] - sel["median"],
-                                                         arrayminus=sel["median"] - sel["p10"]))
+        x = labels if sel["study"].nunique() == 1 else [f"{lab}<br>{wl}" for lab, wl in zip(labels, wls)]
+        if len(set(x)) < len(x):  # two studies on one workload
+            x = [f"{lab}<br>{wl}<br>{st[-24:]}" for lab, wl, st in zip(labels, wls, sel["study"])]
+        fig.add_bar(x=x, y=sel["median"] * scale, name=metric, showlegend=False, row=1, col=j, text=text,
+                    hovertext=[f"{st}: {wl}" for st, wl in zip(sel["study"], wls)],
+                    error_y=dict(type="data", symmetric=False, array=(sel["p90"] - sel["median"]) * scale,
+                                 arrayminus=(sel["median"] - sel["p10"]) * scale))
+        fig.update_yaxes(title_text=shown, row=1, col=j)
     return fig
 
 
@@ -310,9 +510,9 @@ def roofline_figure(kern, probe_rows):
             nbytes, flops = _work(x, t)
             if t and t > 0 and nbytes and flops:
                 wl = json.loads(w) if isinstance(w, str) else {}
+                name = workload_label(wl) + (f" ({fmt})" if fmt and "format" not in wl else "")
                 who = f" ({x['label']})" if x.get("label") else ""
-                pts.append((flops / nbytes, flops / t / 1e9, f"{op} {fmt} T={wl.get('tokens', '')}{who}: "
-                                                               f"{nbytes / t / 1e9:.2f} GB/s"))
+                pts.append((flops / nbytes, flops / t / 1e9, f"{name}{who}: {nbytes / t / 1e9:.2f} GB/s"))
         if pts:
             fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name=op,
                             text=[p[2] for p in pts])
@@ -332,20 +532,39 @@ def roofline_figure(kern, probe_rows):
     return fig
 
 
-def baseline_figure(base):
-    import plotly.graph_objects as go
+def baseline_figures(base) -> list[tuple[str, object]]:
+    """[(unit, figure)]: one figure per unit shown (ms, tokens/s), one subplot per metric, bars per
+    engine and workload; the latest row of each (engine, workload, metric)."""
+    from plotly.subplots import make_subplots
 
-    engines = [json.loads(e).get("engine", "?") for e in base["extra"]]
-    base = base.assign(engine=engines)
-    fig = go.Figure()
-    for engine, sel in base.groupby("engine"):
-        fig.add_bar(name=engine, x=sel["metric"] + " " + sel["workload"].fillna("").str.slice(0, 30),
-                    y=sel["median"], error_y=dict(type="data", symmetric=False,
-                                                  array=sel["p90"] - sel["median"],
-                                                  arrayminus=sel["median"] - sel["p10"]))
-    fig.update_layout(barmode="group")
-    return fig
+    if not len(base):
+        return []
+    base = base.assign(engine=[json.loads(e).get("engine", "?") for e in base["extra"]],
+                       label=[workload_label(w) for w in base["workload"]])
+    base = base.sort_values("ts", kind="stable").groupby(["engine", "workload", "metric"], sort=False).tail(1)
+    by_unit: dict[str, list[str]] = {}
+    for metric, unit in dict.fromkeys(zip(base["metric"], base["unit"])):
+        by_unit.setdefault(metric_axis(metric, unit)[1], []).append(metric)
+    figures = []
+    for shown, metrics in by_unit.items():
+        fig = make_subplots(rows=1, cols=len(metrics),
+                            subplot_titles=[metric_axis(m, None)[0] for m in metrics])
+        colours: dict[str, str] = {}
+        for j, metric in enumerate(metrics, start=1):
+            sel = base[base["metric"] == metric]
+            scale = metric_axis(metric, sel["unit"].iloc[0])[2]
+            for engine, part in sel.groupby("engine", sort=False):
+                colour = colours.setdefault(engine, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"][len(colours) % 4])
+                fig.add_bar(name=engine, x=part["label"], y=part["median"] * scale, marker_color=colour,
+                            legendgroup=engine, showlegend=engine not in {t.name for t in fig.data},
+                            row=1, col=j, error_y=dict(type="data", symmetric=False,
+                                                       array=(part["p90"] - part["median"]) * scale,
+                                                       arrayminus=(part["median"] - part["p10"]) * scale))
+            fig.update_yaxes(title_text=shown, row=1, col=j)
+        fig.update_layout(barmode="group")
+        figures.append((shown, fig))
+    return figures
 
 
-FIGURE_IDS = {"index": ("tuned-vs-defaults", "roofline", "baselines"),
+FIGURE_IDS = {"index": ("tuned-vs-defaults", "roofline", "baselines-ms", "baselines-tokens-s"),
               "study": ("history", "importance", "parallel"), "study2": ("pareto",)}

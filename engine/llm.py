@@ -16,11 +16,11 @@ from engine.errors import MoetuneError
 from engine.knobs import resolve_knobs
 from engine.invariant import RowwiseOps
 from engine.models.deepseek_v3 import Batch, DeepseekV3
+from engine.profile import Profile, find_profile, load_profile, model_key
 from engine.scheduler import Request, Scheduler
 from engine.tokenizer import Tokenizer
 from engine.weights.loader import load_weights
 from engine.weights.presets import resolve_model
-from tuner.profile import Profile, find_profile, load_profile, model_key
 
 log = logging.getLogger("moetune")
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-SHOWN = ["ts", "suite", "study", "trial", "model", "metric", "median", "p10", "p90", "repeats", "status"]
+SHOWN = ["ts", "suite", "study", "trial", "model", "workload", "metric", "median", "p10", "p90", "repeats", "status"]
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
 def run_results(args) -> int:
     import pandas as pd
 
+    from results.labels import workload_label
     from results.store import compact, read_results, results_dir
 
     if args.compact:
@@ -34,6 +35,7 @@ def run_results(args) -> int:
     print(f"{len(df)} rows in {results_dir()}")
     if len(df):
         shown = df.tail(args.last) if args.last else df
+        shown = shown.assign(workload=shown["workload"].map(workload_label))  # as people say it
         knob_cols = [c for c in df.columns if c.startswith("knob.")]
         with pd.option_context("display.width", 200, "display.max_columns", 40, "display.max_colwidth", 24):
             print(shown[[c for c in SHOWN if c in df] + knob_cols].to_string(index=False))

@@ -61,7 +61,7 @@ def stats(samples: Iterable[float]) -> dict[str, float | int]:
 
 
 def _provenance() -> dict[str, Any]:
-    from tuner.fingerprint import fingerprint
+    from engine.fingerprint import fingerprint
 
     fp = fingerprint()
     return {"commit": fp.get("commit", "unknown"), "dirty": bool(fp.get("dirty", False)),

@@ -17,8 +17,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from engine.fingerprint import fingerprint
 from engine.llm import LLM, SamplingParams
-from tuner.fingerprint import fingerprint
 
 
 def active_weight_bytes(llm: LLM) -> int:

@@ -355,7 +355,7 @@ def _meta(args, device: torch.device) -> dict:
     if args.commit:
         meta["commit"] = args.commit
     else:
-        from tuner.fingerprint import _commit
+        from engine.fingerprint import _commit
 
         if _commit() != "unknown":
             meta["commit"] = _commit()

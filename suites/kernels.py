@@ -346,7 +346,7 @@ def _store(rows: list[dict], knobs: dict) -> None:
 
 
 def add_parser(sub) -> None:
-    """`moetune bench kernels ...` (engine/cli.py calls this)."""
+    """`moetune bench kernels ...` (moetune_cli calls this)."""
     b = sub.add_parser("bench", help="benchmark suites")
     bs = b.add_subparsers(dest="suite", required=True)
     k = bs.add_parser("kernels", help="the cpu kernels vs torch, as fractions of this machine's limits")

@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m engine.cli serve --host 127.0.0.1 --port <free> ARGS`, its output in a log file."""
+    """`python -m moetune_cli serve --host 127.0.0.1 --port <free> ARGS`, its output in a log file."""
 
     def __init__(self, args: list[str], env: dict | None = None, log_path: Path | None = None):
         import os
@@ -27,7 +27,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="moetune-serve-")) / "server.log"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "moetune_cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=self._log, stderr=subprocess.STDOUT)

@@ -37,7 +37,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdout) -> list[dict]:
     import kernels.cpu as cpu
     from suites.kernels import ROUTINGS, expert_bytes, random_routes, random_weight
-    from tuner.fingerprint import fingerprint
+    from engine.fingerprint import fingerprint
 
     d, i, e, k = SHAPES[shape]
     parsed = [parse_variant(v) for v in variants]

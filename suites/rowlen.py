@@ -21,7 +21,7 @@ import torch
 def sweep(fmts: list[str], ks: list[int], mib: int, repeats: int, out=sys.stdout) -> list[dict]:
     import kernels.cpu as cpu
     from suites.kernels import random_weight
-    from tuner.fingerprint import fingerprint
+    from engine.fingerprint import fingerprint
 
     print(f"machine: {fingerprint().get('hardware_key', '?')}  weights {mib} MiB per case", file=out)
     g = torch.Generator().manual_seed(0)

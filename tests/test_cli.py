@@ -19,7 +19,7 @@ TIMEOUT_S = 300
 
 
 def moetune(env: dict, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "moetune_cli", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

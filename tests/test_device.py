@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cli import main
+from moetune_cli import main
 from engine.device import resolve_device, to_device
 from engine.errors import MoetuneError
 from kernels.formats import DenseWeight, Fp8BlockWeight, quantize_fp8_block, quantize_int8_channel

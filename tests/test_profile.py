@@ -2,8 +2,8 @@
 import pytest
 
 from engine.errors import MoetuneError
-from tuner.fingerprint import fingerprint
-from tuner.profile import Profile, find_profile, load_profile, profile_path, save_profile
+from engine.fingerprint import fingerprint
+from engine.profile import Profile, find_profile, load_profile, profile_path, save_profile
 
 
 def make(hw=None, knobs=None):

@@ -10,7 +10,7 @@ from tuner_toys import ToyObjective, ToyPareto, toy_space
 
 @pytest.fixture
 def report(tmp_path, monkeypatch):
-    """Results of every kind (two studies, confirmation, kernels + probe, a baseline) and their report."""
+    """Results of every kind (two studies, confirmation, kernels + probe, a comparison) and their report."""
     monkeypatch.setenv("MOETUNE_RESULTS", str(tmp_path / "results"))
     Tuner(toy_space(), ToyObjective(), TuneConfig(trials=10, repeats=2, warmup=0, seed=1), ":memory:", "single").run()
     Tuner(toy_space(), ToyPareto(), TuneConfig(trials=10, repeats=1, warmup=0, seed=1), ":memory:", "two").run()
@@ -19,9 +19,10 @@ def report(tmp_path, monkeypatch):
                 "kernels")
     append_rows([{"metric": "read_bw_gbps", "samples": [12.0]}, {"metric": "peak_gflops_avx512_fp32", "samples": [150.0]}],
                 "probe")
-    append_rows([{"metric": "tpot_s", "samples": [0.5, 0.6], "extra": {"engine": e}, "workload": {"prompt_len": 8}}
-                 for e in ("moetune", "llama.cpp")], "baseline-e2e")
-    return build_report(tmp_path / "report")
+    append_rows([{"metric": m, "unit": u, "samples": [0.5, 0.6], "extra": {"engine": e},
+                  "workload": {"kind": "io", "prompt": 8, "decode": 4}}
+                 for e in ("moetune", "llama.cpp") for m, u in (("tpot_s", "s"), ("decode_tok_s", "tok/s"))], "compare")
+    return build_report(tmp_path / "report", profiles=tmp_path / "profiles")
 
 
 def test_every_figure_renders_without_js_errors(report):

@@ -292,7 +292,7 @@ def wait_busy(server, timeout: float = 20) -> dict:
 
 
 def write_profile(path, hardware_key: str, mkey: str, knobs: dict):
-    from tuner.profile import Profile, save_profile
+    from engine.profile import Profile, save_profile
 
     meta = {"hardware_key": hardware_key, "model_key": mkey, "fingerprint": {}, "commit": "test"}
     return save_profile(Profile(meta, knobs), path)
@@ -303,7 +303,7 @@ TINY_KEY = "deepseek_v3-d64-l2-e8k2-i32-h4-fp32"
 
 def test_foreign_profile_is_refused_then_forced(tmp_path):
     path = write_profile(tmp_path / "other.toml", "another-machine", TINY_KEY, {"kv_block_size": 32})
-    run = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--dtype", "float32",
+    run = subprocess.run([sys.executable, "-m", "moetune_cli", "serve", "--model", "tiny", "--dtype", "float32",
                           "--profile", str(path), "--port", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "another machine" in run.stderr and "Traceback" not in run.stderr
     srv = ServerProcess(["--model", "tiny", "--dtype", "float32", "--profile", str(path), "--force-profile"])
@@ -318,8 +318,8 @@ def test_foreign_profile_is_refused_then_forced(tmp_path):
 
 
 def test_auto_profile_lookup(tmp_path, monkeypatch, caplog):
-    from tuner.fingerprint import fingerprint
-    from tuner.profile import profile_path
+    from engine.fingerprint import fingerprint
+    from engine.profile import profile_path
 
     monkeypatch.setenv("MOETUNE_PROFILES", str(tmp_path))
     path = write_profile(profile_path(fingerprint()["hardware_key"], TINY_KEY), fingerprint()["hardware_key"],

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.fingerprint import fingerprint
 from engine.weights.presets import cache_root
-from tuner.fingerprint import fingerprint
 
 BUFFER_BYTES = 512 << 20
 

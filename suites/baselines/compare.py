@@ -25,6 +25,7 @@ import statistics
 import sys
 
 from engine.errors import MoetuneError
+from results.labels import workload_label
 
 BASELINES = ("llama.cpp", "ktransformers")
 PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0")}
@@ -243,10 +244,7 @@ def table(rows: list[dict]) -> str:
     for (wl, metric), engines in by.items():
         unit, direction = units[metric]
         scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
-        w = json.loads(wl)
-        label = {"io": lambda: f"io {w['prompt']}/{w['decode']}", "ttft": lambda: f"prompt {w['prompt']}",
-                 "moe": lambda: f"moe T={w.get('tokens')}",
-                 "batch": lambda: f"batch {w.get('batch')} × {w['prompt']}/{w['decode']}"}[w["kind"]]()
+        label = workload_label(wl)
         ours = engines.get("moetune")
         for name, theirs in engines.items():
             if name == "moetune" or not ours:
@@ -260,7 +258,7 @@ def table(rows: list[dict]) -> str:
 
 def run_compare(args) -> int:
     from results.store import append_rows, new_run_id
-    from tuner.fingerprint import fingerprint
+    from engine.fingerprint import fingerprint
 
     if args.repeats < 1:
         raise MoetuneError("--repeats must be ≥ 1 (≥ 5 for published figures)")

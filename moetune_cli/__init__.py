@@ -1,4 +1,10 @@
-"""The `moetune` command line. User mistakes print one line on stderr and exit 2, no traceback."""
+"""The `moetune` command line (`moetune ...` or `python -m moetune_cli ...`). User mistakes print
+one line on stderr and exit 2, no traceback.
+
+It sits above every other package: it gathers the engine's commands (generate, quantize, presets,
+serve) and each layer's own (autotune, compare, bench, results, report), so that no import runs
+from the engine up to the tuner, the suites or the dashboards.
+"""
 from __future__ import annotations
 
 import argparse
@@ -147,6 +153,3 @@ def main(argv: list[str] | None = None) -> int:
         print("moetune: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
