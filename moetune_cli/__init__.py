@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     from dashboards.report import add_parser as add_report
-    from engine.explain import add_parser as add_explain
+    from moetune_cli.explain import add_parser as add_explain
     from results.commands import add_parser as add_results
     from suites.kernels import add_parser as add_bench
     from suites.baselines.compare import add_parser as add_compare

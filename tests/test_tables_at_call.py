@@ -124,7 +124,7 @@ def test_autotune_both_tiers_writes_tables_that_the_calls_use(tmp_path):
     """A short `moetune autotune` on tiny: the kernel tier on the model's call sites, then the system tier."""
     env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "results"), "MOETUNE_PROFILES": str(tmp_path / "profiles"),
            "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "autotune", "--model", "tiny", "--dtype", "float32",
+    p = subprocess.run([sys.executable, "-m", "moetune_cli", "autotune", "--model", "tiny", "--dtype", "float32",
                         "--trials", "3", "--kernel-trials", "2", "--token-buckets", "1,16", "--repeats", "1",
                         "--seed", "0"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -15,7 +15,7 @@ ABBREV = {"default": "d", "profile": "p", "table": "t", "command line": "c"}
 
 
 def add_parser(sub) -> None:
-    from engine.cli import _knob
+    from moetune_cli import _knob
 
     e = sub.add_parser("explain", help="show the knob values each kernel call uses and where they come from")
     e.add_argument("--model", default="small", help="preset name or checkpoint directory")
