@@ -1,12 +1,14 @@
 # Two commands set everything up on a fresh machine:
 #   make run    tune this machine for the built-in default model (≈10 min), write its profile and
 #               report (creates .venv on first use); `make generate` generates text with it
-#   make test   run the test suite (creates .venv on first use; installs PostgreSQL and Chromium
-#               from Debian's packages for the tests that need them)
+#   make test   run the test suite (creates .venv on first use; builds the baselines the tests run
+#               against: llama.cpp through llama-cpp-python, ≈5-15 min once, and kt-kernel's own
+#               virtualenv; installs PostgreSQL and Chromium from Debian's packages)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+BASE    := $(VENV)/.baselines
 MODEL   ?= small
 PROMPT  ?= The fastest way to run a mixture of experts on a CPU is
 BUDGET  ?= 10m
@@ -22,6 +24,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The peers the tests compare against, built once per venv (pip caches llama-cpp-python's wheel;
+# GGML_NATIVE: llama.cpp at its best on this machine, as a user would build it).
+$(BASE): $(STAMP)
+	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/python -m pip install -q -e '.[test,baselines]'
+	$(BIN)/python -m suites.baselines.ktkernel --setup
+	touch $(BASE)
+
 run: $(STAMP)
 	$(BIN)/moetune autotune --model $(MODEL) --time-budget $(BUDGET)
 	$(BIN)/moetune report
@@ -29,7 +38,7 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/moetune generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 32
 
-test: $(STAMP)
+test: $(STAMP) $(BASE)
 	bash tests/ensure_services.sh
 	$(BIN)/python -m pytest -q
 

@@ -28,6 +28,7 @@ from engine.errors import MoetuneError
 from results.labels import workload_label
 
 BASELINES = ("llama.cpp", "ktransformers")
+PY_LOOP = "llama.cpp (through Python)"  # the same runs timed around llama-cpp-python's per-token loop
 PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0")}
 DEFAULT_WORKLOADS = "io:128/32,ttft:512"
 
@@ -165,7 +166,11 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
                 prompt = torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
                 engines = {"moetune": lambda p, d: run_once(llm, p, d), "llama.cpp": ll.run_once}
             runs = alternate(engines, prompt, w["decode"], args.repeats)
-            for engine, settings in (("moetune", ours_settings), ("llama.cpp", theirs_settings)):
+            # llama.cpp by its own clock (llama_perf_context); the same runs by our clock around the
+            # Python binding's per-token loop are kept as a row of their own
+            runs[PY_LOOP] = [{**r, **r["python"]} for r in runs["llama.cpp"]]
+            for engine, settings in (("moetune", ours_settings), ("llama.cpp", theirs_settings),
+                                     (PY_LOOP, theirs_settings)):
                 m = io_metrics(runs[engine], w["prompt"] * w.get("batch", 1))
                 if w["kind"] == "ttft":
                     m = {k: v for k, v in m.items() if k in ("ttft_s", "prefill_tok_s")}

@@ -161,7 +161,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--variant", default=None, help="kt-kernel extension variant (default: its own detection)")
+    ap.add_argument("--setup", action="store_true", help="only make kt-kernel's virtualenv (the set-up step)")
     args = ap.parse_args(argv)
+    if args.setup:
+        try:
+            print(f"kt-kernel {KT_VERSION}: {ensure_kt_venv()}")
+        except BaselineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     tokens = [int(t) for t in args.tokens.split(",")]
     shape = SHAPES[args.shape]
     backend = kernels.get_backend(args.backend)

@@ -7,7 +7,11 @@ Ops:
     greedy prompt (ids), n                      the n greedy tokens (argmax of the logits)
     time   prompt (ids), n_decode               ttft_s (prompt eval + first argmax), decode_s for
                                                 n_decode more tokens, llama-bench style: a fresh
-                                                context each call, one token per eval when decoding
+                                                context each call, one token per eval when decoding;
+                                                by llama.cpp's own clock (llama_perf_context: the
+                                                time inside llama_decode), and under "python" the
+                                                same spans by this process's clock (the Python
+                                                binding's per-token loop included)
     time_batch prompts (lists of ids), n_decode B sequences through llama.cpp's batch API: one
                                                 llama_decode for every prompt (each its own sequence
                                                 id), then n_decode steps of one llama_decode holding
@@ -86,19 +90,39 @@ def greedy(prompt: list, n: int) -> dict:
     return {"tokens": out}
 
 
+def _perf_reset(ctx) -> None:
+    import llama_cpp
+
+    llama_cpp.llama_perf_context_reset(ctx)
+
+
+def _perf_seconds(ctx) -> float:
+    """Seconds llama.cpp spent in llama_decode since the last reset, by its own timers (prompt-sized
+    batches count under t_p_eval, single tokens under t_eval: both are decode work here)."""
+    import llama_cpp
+
+    d = llama_cpp.llama_perf_context(ctx)
+    return (d.t_p_eval_ms + d.t_eval_ms) / 1e3
+
+
 def time_run(prompt: list, n_decode: int) -> dict:
     _check(prompt, n_decode)
     llm = _llm()
+    ctx = llm._ctx.ctx
     llm.reset()
+    _perf_reset(ctx)
     t0 = time.perf_counter()
     llm.eval(prompt)
     tok = _argmax_last(llm)
     t1 = time.perf_counter()
+    native_ttft = _perf_seconds(ctx)
+    _perf_reset(ctx)
     for _ in range(n_decode):
         llm.eval([tok])
         tok = _argmax_last(llm)
     t2 = time.perf_counter()
-    return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decoded": n_decode, "rss": _rss_bytes()}
+    return {"ttft_s": native_ttft, "decode_s": _perf_seconds(ctx), "decoded": n_decode, "rss": _rss_bytes(),
+            "python": {"ttft_s": t1 - t0, "decode_s": t2 - t1}}
 
 
 def _batch_context(n_seq: int, n_ctx: int, n_batch: int):
@@ -146,18 +170,22 @@ def time_batch(prompts: list, n_decode: int) -> dict:
                 for i, e in enumerate(entries) if e[3]]
 
     try:
+        _perf_reset(ctx)
         t0 = time.perf_counter()
         toks = run([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
         t1 = time.perf_counter()
+        native_ttft = _perf_seconds(ctx)
+        _perf_reset(ctx)
         out = [toks]
         for step in range(n_decode):
             toks = run([(toks[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
             out.append(toks)
         t2 = time.perf_counter()
+        native_decode = _perf_seconds(ctx)
     finally:
         llama_cpp.llama_batch_free(batch)
-    return {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decoded": b * n_decode, "rss": _rss_bytes(),
-            "tokens": [list(seq) for seq in zip(*out)]}
+    return {"ttft_s": native_ttft, "decode_s": native_decode, "decoded": b * n_decode, "rss": _rss_bytes(),
+            "tokens": [list(seq) for seq in zip(*out)], "python": {"ttft_s": t1 - t0, "decode_s": t2 - t1}}
 
 
 if __name__ == "__main__":
