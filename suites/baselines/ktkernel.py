@@ -36,6 +36,9 @@ SHAPES = {  # (hidden D, moe intermediate I, top-k)
 
 
 def kt_venv() -> Path:
+    """kt-kernel's own virtualenv: $MOETUNE_KT_VENV, else in the moetune cache."""
+    if os.environ.get("MOETUNE_KT_VENV"):
+        return Path(os.environ["MOETUNE_KT_VENV"])
     from engine.weights.presets import cache_root
 
     return cache_root() / f"kt-venv-{KT_VERSION}"
