@@ -135,9 +135,18 @@ class LLM:
     def _step(self, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed each request its new tokens; returns the logits of each one's last token [B, vocab]."""
         batch = self._batch([r.seq for r in reqs], new_tokens)
+        self._set_threads(batch.is_decode)
         with torch.inference_mode():
             hidden = self.model.forward(batch, self.cache)
             return self.model.logits(hidden[batch.last_token_index()])
+
+    def _set_threads(self, decode_only: bool) -> None:
+        """Intra-op threads for this step: knob threads_decode for a decode-only step, else
+        threads_prefill. Set in the thread that runs the step (the count is per thread: the
+        server's engine thread is not the one that built the LLM), and only when it changes."""
+        n = self.knobs["threads_decode" if decode_only else "threads_prefill"]
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def _batch(self, seqs: list[SeqCache], new_tokens: list[list[int]]) -> Batch:
         """Room in the cache for every sequence's new tokens, and the step's tensors (token ids,
@@ -165,6 +174,7 @@ class LLM:
         seq = SeqCache()
         try:
             batch = self._batch([seq], [ids])
+            self._set_threads(batch.is_decode)
             with torch.inference_mode():
                 return self.model.logits(self.model.forward(batch, self.cache))
         finally:
