@@ -339,9 +339,10 @@ class IncrementalDecoder:
         cut = len(ids) - self.BYTE_LOOKAHEAD
         head = self._decode(ids[self.prefix:cut])
         if head.startswith(self._context):
-            self._commit(ids, cut, head[len(self._context):])
+            head = head[len(self._context):]
+            self._commit(ids, cut, head)
             full = self._decode(ids[self.prefix:])
-            if full.startswith(self._context) and self.committed + full[len(self._context):] == saved[0] + tail:
+            if full.startswith(self._context) and head + full[len(self._context):] == tail:
                 return full[len(self._context):]
         self.committed, self.prefix, self.read, self._context = saved
         return tail

@@ -25,7 +25,7 @@ Parts of a step (seconds; per repeat they add up exactly to the step's wall time
 
 Bytes: every weight an op is handed counts once per call (linear: the whole matrix; fused_moe:
 only the experts the step's routing selected, w13 and w2; the embedding: one row per token); per
-token = per decode step ÷ batch. The whole step's read bandwidth = weight bytes per step ÷ step
+token = per step ÷ the tokens the step fed (decode: the batch). The whole step's read bandwidth = weight bytes per step ÷ step
 time, as a fraction of the probe's read bandwidth (tuner.probe, measured once per machine).
 KV-cache bytes that mla_decode reads are reported beside (not in the weight bytes).
 
@@ -208,7 +208,8 @@ def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row:
     groups, kv = timer.step_bytes()
     groups["embed"] += timer.tokens * embed_row
     return {"parts": parts, "calls": {p: timer.calls.get(p, 0) / steps for p in PARTS},
-            "bytes": {g: b / steps for g, b in groups.items()}, "kv_bytes": kv / steps}
+            "bytes": {g: b / steps for g, b in groups.items()}, "kv_bytes": kv / steps,
+            "tokens": timer.tokens / steps}
 
 
 def measure(llm, prompt_len: int = 128, decode: int = 16, batch: int = 1, repeats: int = 5,
@@ -270,21 +271,22 @@ def summarize(llm, samples: dict, prompt_len: int, decode: int, batch: int, over
     c = llm.config
     phases = {}
     for phase, runs in samples.items():
-        tokens = batch if phase == "decode" else batch * prompt_len  # tokens per (decode step | prefill)
+        # tokens fed per decode step (batch, unless decode_batch_cap is lower) or in the whole prefill
+        tokens = statistics.median([r["tokens"] for r in runs])
         names = PARTS + REST + ("total",)
         parts = {p: _stats([r["parts"][p] for r in runs]) for p in names}
         total = parts["total"]["median"]
         for p in names:
             parts[p]["share"] = parts[p]["median"] / total if total else 0.0
             parts[p]["calls"] = statistics.median([r["calls"].get(p, 0) for r in runs]) if p in PARTS else 0
-        weight = [sum(r["bytes"].values()) / tokens for r in runs]
+        weight = [sum(r["bytes"].values()) / r["tokens"] for r in runs]
         rest = [r["parts"]["rest.model"] + r["parts"]["rest.scheduler"] for r in runs]
         gbs = [sum(r["bytes"].values()) / r["parts"]["total"] / 1e9 for r in runs]
         phases[phase] = {
             "tokens": tokens, "steps": statistics.median([r["steps"] for r in runs]), "parts": parts,
             "weight_bytes_per_token": _stats(weight),
-            "bytes_by_group": {g: statistics.median([r["bytes"][g] for r in runs]) / tokens for g in BYTE_GROUPS},
-            "kv_bytes_per_token": _stats([r["kv_bytes"] / tokens for r in runs]),
+            "bytes_by_group": {g: statistics.median([r["bytes"][g] / r["tokens"] for r in runs]) for g in BYTE_GROUPS},
+            "kv_bytes_per_token": _stats([r["kv_bytes"] / r["tokens"] for r in runs]),
             "weight_gb_s": _stats(gbs),
             "rest": _stats(rest),
             "fixed_cost_per_layer": _stats([x / c.num_hidden_layers for x in rest]),
