@@ -61,12 +61,18 @@ class LatentKVCache:
         total = seq.num_tokens + new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
+    def reserve(self, seq: SeqCache, new_tokens: int) -> None:
+        """Room for `new_tokens` more tokens (blocks allocated, num_tokens advanced), no slots:
+        the engine computes a whole step's slots at once from its block tables."""
+        seq.block_table += self.allocator.allocate(self.blocks_needed(seq, new_tokens))
+        seq.num_tokens += new_tokens
+
     def append(self, seq: SeqCache, new_tokens: int) -> torch.Tensor:
         """Reserve room for `new_tokens` more tokens; returns their slots [new_tokens] int64."""
-        seq.block_table += self.allocator.allocate(self.blocks_needed(seq, new_tokens))
-        pos = torch.arange(seq.num_tokens, seq.num_tokens + new_tokens)
+        start = seq.num_tokens
+        self.reserve(seq, new_tokens)
+        pos = torch.arange(start, start + new_tokens)
         table = torch.tensor(seq.block_table, dtype=torch.int64)
-        seq.num_tokens += new_tokens
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def release(self, seq: SeqCache) -> None:

@@ -165,6 +165,7 @@ class TunedOps:
     def __init__(self, ops, weight_sites: dict[int, SitePlan], attention_site: Callable[[str, tuple], SitePlan | None]):
         self._ops, self._weight_sites, self._attention_site = ops, weight_sites, attention_site
         self._attn: dict = {}
+        self._lens, self._context = None, 0  # the step's sequence lengths (one tensor for every layer)
 
     def __getattr__(self, name: str):
         return getattr(self._ops, name)
@@ -191,7 +192,9 @@ class TunedOps:
         site = self._site("mla_decode", (q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]))
         if site is None:
             return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots)
-        arg = site.choice(q_lat.shape[0], int(seq_lens.max())).arg
+        if seq_lens is not self._lens:  # once per step, not per layer
+            self._lens, self._context = seq_lens, int(seq_lens.max())
+        arg = site.choice(q_lat.shape[0], self._context).arg
         return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots, knobs=arg)
 
     def extend_attention(self, q, k, v, scale):

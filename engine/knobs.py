@@ -21,6 +21,12 @@ from kernels.knobspec import AtMost, Divides, Knob, ProductAtMost  # noqa: F401 
 ENGINE_KNOBS: tuple[Knob, ...] = (
     Knob("threads", int, "auto", "engine", "intra-op threads (auto: the usable cores)",
          low=1, high=1024, auto=True, constraints=(AtMost("cores"),)),
+    Knob("threads_prefill", int, "auto", "engine",
+         "intra-op threads of a step that feeds a prompt chunk (a mixed step too; auto: `threads`)",
+         low=1, high=1024, auto=True, constraints=(AtMost("cores"),)),
+    Knob("threads_decode", int, "auto", "engine",
+         "intra-op threads of a decode-only step (auto: `threads`)",
+         low=1, high=1024, auto=True, constraints=(AtMost("cores"),)),
     Knob("kernel_backend", str, "auto", "engine",
          "kernel backend running every op (auto: the C++ \"cpu\" kernels where they build and run, "
          "else the torch reference)", choices=("auto", "cpu", "reference"), tune=False),
@@ -57,6 +63,9 @@ def resolve_knobs(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         values[name] = CATALOGUE[name].validate(value)
     if values["threads"] == "auto":
         values["threads"] = len(os.sched_getaffinity(0))
+    for name in ("threads_prefill", "threads_decode"):
+        if values[name] == "auto":
+            values[name] = values["threads"]
     if values["kernel_backend"] == "auto":
         values["kernel_backend"] = auto_kernel_backend()
     check_constraints(values)

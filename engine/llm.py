@@ -1,6 +1,7 @@
 """The offline API: `LLM(model=...)`, `llm.logits(ids)`, `llm.generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from engine.invariant import RowwiseOps
 from engine.models.deepseek_v3 import Batch, DeepseekV3
 from engine.profile import Profile, find_profile, load_profile, model_key
 from engine.scheduler import Request, Scheduler
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDecoder, Tokenizer
 from engine.weights.loader import load_weights
 from engine.weights.presets import resolve_model
 
@@ -193,24 +194,47 @@ class LLM:
 
     def _step(self, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed each request its new tokens; returns the logits of each one's last token [B, vocab]."""
-        slots, positions = [], []
-        for r, toks in zip(reqs, new_tokens):
-            start = r.seq.num_tokens
-            slots.append(self.cache.append(r.seq, len(toks)))
-            positions.append(torch.arange(start, start + len(toks)))
-        batch = Batch(torch.tensor([t for toks in new_tokens for t in toks]), torch.cat(positions),
-                      torch.cat(slots), [r.seq for r in reqs], [len(t) for t in new_tokens])
+        batch = self._batch([r.seq for r in reqs], new_tokens)
+        self._set_threads(batch.is_decode)
         with torch.inference_mode():
             hidden = self.model.forward(batch, self.cache)
             return self.model.logits(hidden[batch.last_token_index()])
+
+    def _set_threads(self, decode_only: bool) -> None:
+        """Intra-op threads for this step: knob threads_decode for a decode-only step, else
+        threads_prefill. Set in the thread that runs the step (the count is per thread: the
+        server's engine thread is not the one that built the LLM), and only when it changes."""
+        n = self.knobs["threads_decode" if decode_only else "threads_prefill"]
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def _batch(self, seqs: list[SeqCache], new_tokens: list[list[int]]) -> Batch:
+        """Room in the cache for every sequence's new tokens, and the step's tensors (token ids,
+        positions, slots, block tables) built per sequence, never per token in Python."""
+        lens = [len(t) for t in new_tokens]
+        starts = torch.tensor([s.num_tokens for s in seqs])
+        for s, n in zip(seqs, lens):
+            self.cache.reserve(s, n)
+        tables = LatentKVCache.block_tables(seqs)
+        token_ids = torch.tensor(list(itertools.chain.from_iterable(new_tokens)))
+        if all(n == 1 for n in lens):  # decode: one token per sequence
+            seq_of, positions = torch.arange(len(seqs)), starts
+        else:
+            counts = torch.tensor(lens)
+            seq_of = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+            first = counts.cumsum(0) - counts  # each sequence's first index in the step
+            positions = torch.arange(len(token_ids)) + (starts - first)[seq_of]
+        bs = self.cache.block_size
+        slots = tables[seq_of, positions // bs].long() * bs + positions % bs
+        return Batch(token_ids, positions, slots, seqs, lens, block_tables=tables)
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """One prefill of `token_ids`: float32 logits for every position, [T, vocab]."""
         ids = self._check_prompt(list(token_ids), extra=0)
         seq = SeqCache()
         try:
-            slots = self.cache.append(seq, len(ids))
-            batch = Batch(torch.tensor(ids), torch.arange(len(ids)), slots, [seq], [len(ids)])
+            batch = self._batch([seq], [ids])
+            self._set_threads(batch.is_decode)
             with torch.inference_mode():
                 return self.model.logits(self.model.forward(batch, self.cache))
         finally:
@@ -260,17 +284,33 @@ class LLM:
         return [r.out for r in reqs]
 
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's next token; update its text (incrementally: see IncrementalDecoder) and
+        finish it on a stop string, EOS or max_tokens. out.text is at every step what decoding the
+        whole output (less a final EOS) gives, cut before the first stop string."""
         token = r.sampler(logits)
         out = r.out
         out.token_ids.append(token)
         eos = token == self.eos_token_id and not r.params.ignore_eos
-        out.text = self._decode(out.token_ids[:-1] if eos else out.token_ids)
-        stop = next((s for s in r.params.stop_strings if s in out.text), None)
+        if r.detok is None:
+            r.detok = IncrementalDecoder(self._decode)
+        out.text = r.detok.update(out.token_ids[:-1] if eos else out.token_ids)
+        stop, at = _first_stop(out.text, r.params.stop_strings, r.detok.changed_from)
         if stop is not None:
-            out.text, out.finish_reason = out.text[: out.text.index(stop)], "stop"
+            out.text, out.finish_reason = out.text[:at], "stop"
         elif eos:
             out.finish_reason = "stop"
         elif len(out.token_ids) >= r.params.max_tokens:
             out.finish_reason = "length"
         if out.finish_reason is not None:
             out.decode_s = time.perf_counter() - r.t_first
+
+
+def _first_stop(text: str, stops: list[str], changed_from: int) -> tuple[str | None, int]:
+    """The first of `stops` (in their order) that occurs in `text`, and where it first occurs,
+    given that text[:changed_from] is unchanged since a check that found none: an occurrence
+    must end after changed_from, so only the text from changed_from - len(stop) + 1 is searched."""
+    for s in stops:
+        at = text.find(s, max(0, changed_from - max(len(s), 1) + 1))
+        if at >= 0:
+            return s, at
+    return None, -1

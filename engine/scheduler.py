@@ -26,6 +26,7 @@ from engine.sampling import Sampler
 
 if TYPE_CHECKING:
     from engine.llm import LLM, RequestOutput, SamplingParams
+    from engine.tokenizer import IncrementalDecoder
 
 _ids = itertools.count()
 
@@ -49,6 +50,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0  # when the first token was sampled
     num_preemptions: int = 0
+    detok: IncrementalDecoder | None = None  # out.text kept up to date token by token (LLM._accept)
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
@@ -69,9 +71,11 @@ class Request:
 
     def pending_tokens(self, n: int) -> list[int]:
         """The next n tokens not yet in the cache."""
-        start = self.seq.num_tokens
-        ids = self.out.prompt_token_ids + self.out.token_ids
-        return ids[start:start + n]
+        start, prompt = self.seq.num_tokens, self.out.prompt_token_ids
+        if start + n <= len(prompt):
+            return prompt[start:start + n]
+        # not prompt + token_ids: that copies the whole sequence at every decode step
+        return prompt[start:start + n] + self.out.token_ids[max(0, start - len(prompt)):start + n - len(prompt)]
 
 
 Plan = list[tuple[Request, int]]  # (request, new tokens fed this step)

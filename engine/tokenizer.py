@@ -31,6 +31,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from engine.errors import MoetuneError
 
 __all__ = [
+    "IncrementalDecoder",
     "BOS_TOKEN",
     "EOS_TOKEN",
     "USER_TOKEN",
@@ -276,6 +277,75 @@ class Tokenizer:
             return self._template.render(**context)
         except jinja2.exceptions.TemplateError as err:
             raise MoetuneError(f"chat template failed: {_one_line(err)}") from None
+
+
+class IncrementalDecoder:
+    """`decode(ids)` of a growing token list, kept up to date at a bounded cost per new token.
+
+    Decoding a request's whole output after every token costs O(n²) over the request. Here the
+    text is `committed` (the text of ids[:read], never decoded again) plus the tail: the text of
+    ids[read:], found by decoding a short window ids[prefix:] and dropping the text of its context
+    ids[prefix:read] (so decoders that look at the previous token, like SentencePiece's leading
+    space, still see it). The tail is committed once it ends in a whole character. A tail ending
+    in U+FFFD may be an unfinished UTF-8 character (byte-level BPE splits characters across
+    tokens), which later tokens complete; it stays in the window, and `text` shows it as `decode`
+    does, replacement character included. A window that keeps ending in U+FFFD (runs of stray
+    bytes) is cut behind its last BYTE_LOOKAHEAD tokens when the cut provably changes nothing: a
+    UTF-8 character spans at most 4 bytes and a token holds at least one.
+
+    `update(ids)` takes the whole list each time (it may be the same list again, or one token
+    shorter than it will grow to: the engine drops a final EOS); `ids` must only grow.
+    """
+
+    BYTE_LOOKAHEAD = 3
+    MAX_WINDOW = 8  # uncommitted tokens before a cut behind the last BYTE_LOOKAHEAD is tried
+
+    def __init__(self, decode) -> None:
+        self._decode = decode
+        self.committed = ""  # text of ids[:read]
+        self.prefix = 0  # the window's context starts here
+        self.read = 0  # ids[:read] are in `committed`
+        self._context = ""  # decode(ids[prefix:read])
+        self.text = ""
+        self.changed_from = 0  # the last update may have changed text from this index on
+
+    def update(self, ids: list[int]) -> str:
+        """The text of `ids` (equal to decode(ids)); also sets `changed_from`: text before it is
+        unchanged since the previous update."""
+        self.changed_from = len(self.committed)
+        full = self._decode(ids[self.prefix:])
+        if not full.startswith(self._context):  # a decoder this scheme does not fit: decode all
+            self.changed_from = 0
+            self.committed, self.prefix, self.read, self._context = "", 0, 0, ""
+            full = self._decode(ids)
+        tail = full[len(self._context):]
+        if tail and not tail.endswith("\ufffd"):
+            self._commit(ids, len(ids), tail)
+            tail = ""
+        elif len(ids) - self.read > self.MAX_WINDOW:
+            tail = self._cut(ids, tail)
+        self.text = self.committed + tail
+        return self.text
+
+    def _commit(self, ids: list[int], upto: int, text: str) -> None:
+        self.committed += text
+        self.prefix, self.read = self.read, upto
+        self._context = self._decode(ids[self.prefix:self.read])
+
+    def _cut(self, ids: list[int], tail: str) -> str:
+        """Commit ids[read:cut], cut leaving BYTE_LOOKAHEAD tokens after it, if the text does not
+        change by it (a character left unfinished at the cut would); returns the tail left."""
+        saved = (self.committed, self.prefix, self.read, self._context)
+        cut = len(ids) - self.BYTE_LOOKAHEAD
+        head = self._decode(ids[self.prefix:cut])
+        if head.startswith(self._context):
+            head = head[len(self._context):]
+            self._commit(ids, cut, head)
+            full = self._decode(ids[self.prefix:])
+            if full.startswith(self._context) and head + full[len(self._context):] == tail:
+                return full[len(self._context):]
+        self.committed, self.prefix, self.read, self._context = saved
+        return tail
 
 
 # --------------------------------------------------------------------------------------

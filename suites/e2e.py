@@ -1,6 +1,7 @@
 """End-to-end suite: time to first token (prefill) and decode tokens/s of one request.
 
     python -m suites.e2e --model small --prompt-len 128 --decode 32 --repeats 3 [--json]
+    python -m suites.e2e --breakdown ...   (suites/breakdown.py: each step's time op by op)
 
 Each repeat runs one fixed-seed random prompt through `LLM.generate` (greedy, EOS ignored); a
 warm-up run comes first. Reports median and spread (min–max) per figure, the weight bytes a decode
@@ -17,8 +18,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from engine.errors import MoetuneError
 from engine.fingerprint import fingerprint
 from engine.llm import LLM, SamplingParams
+from suites import breakdown
 
 
 def active_weight_bytes(llm: LLM) -> int:
@@ -78,7 +81,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="split the prefill's and a decode step's time into kernel ops and the rest "
+                         "(suites/breakdown.py; --decode is then the decode steps timed per repeat)")
+    breakdown.add_arguments(ap.add_argument_group("with --breakdown"))
     args = ap.parse_args(argv)
+    if args.breakdown:
+        try:
+            return breakdown.run_args(args, LLM)
+        except MoetuneError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     llm = LLM(args.model, dtype=args.dtype, knobs={"kernel_backend": args.backend})
     r = measure(llm, args.prompt_len, args.decode, args.repeats)
     if args.json:

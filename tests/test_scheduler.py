@@ -198,3 +198,36 @@ def test_batch_invariant_logits_are_bitwise_equal(inv):
 
     assert torch.equal(last_logits(False), last_logits(True))
     assert all_free(inv)
+
+
+# ---------------------------------------------------------------- the step's tensors
+
+
+def test_step_tensors_equal_the_per_token_construction(inv):
+    """LLM._batch builds positions, slots, block tables and the attention rows per sequence
+    (no Python loop over tokens): they equal the token-by-token construction."""
+    from engine.cache import SeqCache
+
+    cache = inv.cache
+    seqs = [SeqCache() for _ in range(4)]
+    for s, n in zip(seqs, [0, 17, 5, 31]):  # already cached tokens
+        cache.reserve(s, n)
+    new = [ids(9, 60), [7], ids(20, 61), [8]]  # a fresh prompt, a decode, a chunk, a decode
+    starts = [s.num_tokens for s in seqs]
+    try:
+        batch = inv._batch(seqs, new)
+        bs = cache.block_size
+        want_pos = [p for st, t in zip(starts, new) for p in range(st, st + len(t))]
+        want_slots = [s.block_table[p // bs] * bs + p % bs
+                      for s, st, t in zip(seqs, starts, new) for p in range(st, st + len(t))]
+        assert batch.token_ids.tolist() == [t for toks in new for t in toks]
+        assert batch.positions.tolist() == want_pos and batch.slots.tolist() == want_slots
+        tables, lens = batch.decode_rows(torch.device("cpu"))
+        rows = [(b, s.num_tokens - n + j + 1) for b, (s, n) in enumerate(zip(seqs, map(len, new))) for j in range(n)]
+        assert torch.equal(tables, cache.block_tables(seqs)[[b for b, _ in rows]])
+        assert lens.tolist() == [n for _, n in rows] and lens.dtype == torch.int32
+        assert batch.last_token_index().tolist() == [8, 9, 29, 30]
+    finally:
+        for s in seqs:
+            cache.release(s)
+    assert all_free(inv)

@@ -10,7 +10,7 @@ MLA has two forms that must agree:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,9 @@ class Batch:
     """New tokens of several sequences, concatenated in sequence order.
 
     token_ids, positions, slots: [T]; seqs[i] holds seq_lens[i] tokens after this step (its new
-    ones are the last new_lens[i]).
+    ones are the last new_lens[i]). block_tables: the seqs' block tables after this step [B, max
+    blocks] int32 (built from seqs when not given); the per-token attention metadata is built from
+    it once per step (`decode_rows`), not once per layer.
     """
 
     token_ids: torch.Tensor
@@ -34,10 +36,14 @@ class Batch:
     slots: torch.Tensor
     seqs: list[SeqCache]
     new_lens: list[int]
+    block_tables: torch.Tensor | None = None
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.new_lens)
+        if "is_decode" not in self._memo:
+            self._memo["is_decode"] = all(n == 1 for n in self.new_lens)
+        return self._memo["is_decode"]
 
     @property
     def seq_lens(self) -> list[int]:
@@ -45,6 +51,19 @@ class Batch:
 
     def last_token_index(self) -> torch.Tensor:
         return torch.tensor(self.new_lens).cumsum(0) - 1
+
+    def decode_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token as one decode query: its sequence's block table [T, max blocks] int32
+        and the keys it sees [T] int32 (causal: position + 1), on `device`; built once per step."""
+        key = ("decode_rows", str(device))
+        if key not in self._memo:
+            tables = self.block_tables if self.block_tables is not None else LatentKVCache.block_tables(self.seqs)
+            if not self.is_decode:
+                seq_of = torch.repeat_interleave(torch.arange(len(self.new_lens)), torch.tensor(self.new_lens))
+                tables = tables[seq_of]
+            lens = (self.positions + 1).to(torch.int32)
+            self._memo[key] = (tables.to(device), lens.to(device))
+        return self._memo[key]
 
 
 class DeepseekV3:
@@ -125,10 +144,7 @@ class DeepseekV3:
         """Every new token is one decode query; a prompt's token t sees keys 0..pos(t) (causal)."""
         o = self.ops
         q_lat = o.head_linear(q_nope, self.w_uk[i])  # [T, H, R]
-        rows = [(b, s.num_tokens - n + j + 1) for b, (s, n) in enumerate(zip(batch.seqs, batch.new_lens))
-                for j in range(n)]
-        tables = cache.block_tables(batch.seqs)[[b for b, _ in rows]].to(q_lat.device)
-        lens = torch.tensor([n for _, n in rows], dtype=torch.int32, device=q_lat.device)
+        tables, lens = batch.decode_rows(q_lat.device)
         out_lat = o.mla_decode(q_lat, q_pe, cache.layers[i], tables, lens, self.scale, new_rows,
                                batch.slots.to(q_lat.device))
         return o.head_linear(out_lat, self.w_uv[i])  # [T, H, V]
