@@ -351,7 +351,7 @@ def table(result: dict, title: str) -> str:
             if part == "total":
                 lines.append("  " + "-" * 62)
             lines.append(f"  {part:16s} {st['median'] * 1e3:9.3f}  [{st['min'] * 1e3:8.3f}–{st['max'] * 1e3:8.3f}]"
-                         f" {st['share'] * 100:6.1f}% {st['calls'] if part in PARTS else '':>6}")
+                         f" {st['share'] * 100:6.1f}% {format(st['calls'], 'g') if part in PARTS else '':>6}")
         wb = ph["weight_bytes_per_token"]["median"]
         groups = ", ".join(f"{g.replace('_', ' ')} {b / 1e6:.2f}" for g, b in ph["bytes_by_group"].items() if b)
         lines.append(f"  weight bytes read per token: {wb / 1e6:.3f} MB ({groups}); "
@@ -359,8 +359,8 @@ def table(result: dict, title: str) -> str:
         gbs = ph["weight_gb_s"]
         frac = ph["read_bw_fraction"]
         lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s [{gbs['min']:.2f}–{gbs['max']:.2f}]"
-                     + ("" if frac is None else f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth "
-                        f"({result['read_gbps']:.1f} GB/s)"))
+                     + (" (no read bandwidth from the probe)" if frac is None else
+                        f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth ({result['read_gbps']:.1f} GB/s)"))
         fc = ph["fixed_cost_per_layer"]
         lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs per layer "
                      f"[{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
@@ -408,7 +408,6 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences prefilled and decoded together")
-    ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     ap.add_argument("--no-probe", action="store_true",
                     help="no read-bandwidth fraction (skips tuner.probe, which measures once per machine)")
     ap.add_argument("--no-store", action="store_true", help="do not append the rows to the result store")
@@ -426,6 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:
@@ -435,18 +435,25 @@ def main(argv=None) -> int:
         return 2
 
 
-def run_args(args, LLM) -> int:
+def knob_overrides(args) -> dict:
+    """--backend and every --knob NAME=VALUE as LLM knobs."""
     from engine.errors import MoetuneError
 
-    if min(args.prompt_len, args.decode, args.batch, args.repeats) < 1:
-        raise MoetuneError("--prompt-len, --decode, --batch and --repeats must be ≥ 1")
     knobs = {"kernel_backend": args.backend}
     for kv in args.knob or []:
         if "=" not in kv:
             raise MoetuneError(f"--knob {kv!r}: expected NAME=VALUE")
         name, value = kv.split("=", 1)
         knobs[name] = value
-    llm = LLM(args.model, dtype=args.dtype, knobs=knobs, progress=not args.json)
+    return knobs
+
+
+def run_args(args, LLM) -> int:
+    from engine.errors import MoetuneError
+
+    if min(args.prompt_len, args.decode, args.batch, args.repeats) < 1:
+        raise MoetuneError("--prompt-len, --decode, --batch and --repeats must be ≥ 1")
+    llm = LLM(args.model, dtype=args.dtype, knobs=knob_overrides(args), progress=not args.json)
     run(llm, args.model, args.prompt_len, args.decode, args.batch, args.repeats, probe=not args.no_probe,
         store=not args.no_store, as_json=args.json)
     return 0
