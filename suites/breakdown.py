@@ -8,25 +8,27 @@
 How: the model's kernel backend is wrapped (`OpTimer`) so that every op call is timed with
 perf_counter (on a GPU, synchronized before and after), and each step is timed as a whole around
 `Scheduler.step()`. A repeat prefills `--batch` random prompts of `--prompt-len` tokens (the steps
-until every request has its first token: "prefill"), then runs `--decode` decode-only steps
-("decode"; figures are per step, the mean over those steps). A warm-up repeat comes first.
+until every request has its first token: "prefill"; figures are for the whole prefill), then runs
+`--decode` decode-only steps ("decode"; figures are per step, the mean over those steps). A warm-up
+repeat comes first.
 
 Parts of a step (seconds; per repeat they add up exactly to the step's wall time):
     linear.attn (q/kv/o projections), head_linear (MLA absorption: W_UK, W_UV), attention
     (mla_decode, extend_attention, paged_*), norms (rms_norm, add_rms_norm), rope, routing
     (grouped_topk), linear.router, fused_moe (routed experts), linear.shared (shared experts),
-    linear.dense (dense FFN layers), activation (silu_and_mul), lm_head;
-    rest.model: the forward's own time outside the ops (Python, embedding, copies, cat/split,
-      the host↔device moves, sampling's logits copy);
-    rest.scheduler: the step outside the forward (scheduling, cache blocks, the step's tensors
-      count in the forward's rest; sampling, detokenization, stop strings here);
+    linear.dense (dense FFN layers), activation (silu_and_mul), lm_head, linear.other (any other
+    weight);
+    rest.model: LLM._step's time outside the ops (the step's tensors and cache blocks, embedding,
+      rotary angles, views/cat/split, the logits' copy to float32 on the host: Python and copies);
+    rest.scheduler: the step outside LLM._step (scheduling, sampling, detokenization, stop strings);
     timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand).
 "The rest" = rest.model + rest.scheduler; fixed cost per layer = the decode step's rest ÷ layers.
 
 Bytes: every weight an op is handed counts once per call (linear: the whole matrix; fused_moe:
 only the experts the step's routing selected, w13 and w2; the embedding: one row per token); per
-token = per step ÷ the tokens the step fed (decode: the batch). The whole step's read bandwidth = weight bytes per step ÷ step
-time, as a fraction of the probe's read bandwidth (tuner.probe, measured once per machine).
+token = per step ÷ the tokens the step fed (decode: the batch). The whole step's read bandwidth =
+weight bytes per step ÷ step time, as a fraction of the probe's read bandwidth (tuner.probe,
+measured once per machine).
 KV-cache bytes that mla_decode reads are reported beside (not in the weight bytes).
 
 Rows (results.store, suite "breakdown"; one run_id per invocation; the machine's fingerprint hash
@@ -358,12 +360,13 @@ def table(result: dict, title: str) -> str:
                      f"KV cache {ph['kv_bytes_per_token']['median'] / 1e6:.3f} MB")
         gbs = ph["weight_gb_s"]
         frac = ph["read_bw_fraction"]
-        lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s [{gbs['min']:.2f}–{gbs['max']:.2f}]"
-                     + (" (no read bandwidth from the probe)" if frac is None else
-                        f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth ({result['read_gbps']:.1f} GB/s)"))
+        of_probe = (" (no read bandwidth from the probe)" if frac is None else
+                    f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth ({result['read_gbps']:.1f} GB/s)")
+        lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s "
+                     f"[{gbs['min']:.2f}–{gbs['max']:.2f}]{of_probe}")
         fc = ph["fixed_cost_per_layer"]
-        lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs per layer "
-                     f"[{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
+        lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs "
+                     f"per layer [{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
     lines.append(f"\n(timer overhead ≈ {result['timer_overhead_per_call_s'] * 1e6:.2f} µs per op call, "
                  "shown as its own part and not in the rest)")
     return "\n".join(lines)

@@ -100,8 +100,8 @@ def main(argv=None) -> int:
         print(json.dumps(r))
         return 0
     f = lambda d, fmt: f"{fmt.format(d['median'])} [{fmt.format(d['min'])}–{fmt.format(d['max'])}]"  # noqa: E731
-    print(f"model {args.model} ({r['dtype']}, backend {r['backend']}, {r['threads_prefill']}/{r['threads_decode']} threads prefill/decode) on "
-          f"{r['machine']['cpu_model']} [{r['machine']['hash']}]")
+    print(f"model {args.model} ({r['dtype']}, backend {r['backend']}, {r['threads_prefill']}/{r['threads_decode']} "
+          f"threads prefill/decode) on {r['machine']['cpu_model']} [{r['machine']['hash']}]")
     print(f"  prefill {args.prompt_len} tokens: TTFT {f(r['ttft_s'], '{:.3f}')} s, {f(r['prefill_tok_s'], '{:.1f}')} tokens/s")
     print(f"  decode {args.decode} tokens: {f(r['decode_tok_s'], '{:.2f}')} tokens/s "
           f"(≈{r['decode_weight_gb_s']:.2f} GB/s of weights read)")
