@@ -8,25 +8,27 @@
 How: the model's kernel backend is wrapped (`OpTimer`) so that every op call is timed with
 perf_counter (on a GPU, synchronized before and after), and each step is timed as a whole around
 `Scheduler.step()`. A repeat prefills `--batch` random prompts of `--prompt-len` tokens (the steps
-until every request has its first token: "prefill"), then runs `--decode` decode-only steps
-("decode"; figures are per step, the mean over those steps). A warm-up repeat comes first.
+until every request has its first token: "prefill"; figures are for the whole prefill), then runs
+`--decode` decode-only steps ("decode"; figures are per step, the mean over those steps). A warm-up
+repeat comes first.
 
 Parts of a step (seconds; per repeat they add up exactly to the step's wall time):
     linear.attn (q/kv/o projections), head_linear (MLA absorption: W_UK, W_UV), attention
     (mla_decode, extend_attention, paged_*), norms (rms_norm, add_rms_norm), rope, routing
     (grouped_topk), linear.router, fused_moe (routed experts), linear.shared (shared experts),
-    linear.dense (dense FFN layers), activation (silu_and_mul), lm_head;
-    rest.model: the forward's own time outside the ops (Python, embedding, copies, cat/split,
-      the host↔device moves, sampling's logits copy);
-    rest.scheduler: the step outside the forward (scheduling, cache blocks, the step's tensors
-      count in the forward's rest; sampling, detokenization, stop strings here);
+    linear.dense (dense FFN layers), activation (silu_and_mul), lm_head, linear.other (any other
+    weight);
+    rest.model: LLM._step's time outside the ops (the step's tensors and cache blocks, embedding,
+      rotary angles, views/cat/split, the logits' copy to float32 on the host: Python and copies);
+    rest.scheduler: the step outside LLM._step (scheduling, sampling, detokenization, stop strings);
     timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand).
 "The rest" = rest.model + rest.scheduler; fixed cost per layer = the decode step's rest ÷ layers.
 
 Bytes: every weight an op is handed counts once per call (linear: the whole matrix; fused_moe:
 only the experts the step's routing selected, w13 and w2; the embedding: one row per token); per
-token = per step ÷ the tokens the step fed (decode: the batch). The whole step's read bandwidth = weight bytes per step ÷ step
-time, as a fraction of the probe's read bandwidth (tuner.probe, measured once per machine).
+token = per step ÷ the tokens the step fed (decode: the batch). The whole step's read bandwidth =
+weight bytes per step ÷ step time, as a fraction of the probe's read bandwidth (tuner.probe,
+measured once per machine).
 KV-cache bytes that mla_decode reads are reported beside (not in the weight bytes).
 
 Rows (results.store, suite "breakdown"; one run_id per invocation; the machine's fingerprint hash
@@ -351,19 +353,20 @@ def table(result: dict, title: str) -> str:
             if part == "total":
                 lines.append("  " + "-" * 62)
             lines.append(f"  {part:16s} {st['median'] * 1e3:9.3f}  [{st['min'] * 1e3:8.3f}–{st['max'] * 1e3:8.3f}]"
-                         f" {st['share'] * 100:6.1f}% {st['calls'] if part in PARTS else '':>6}")
+                         f" {st['share'] * 100:6.1f}% {format(st['calls'], 'g') if part in PARTS else '':>6}")
         wb = ph["weight_bytes_per_token"]["median"]
         groups = ", ".join(f"{g.replace('_', ' ')} {b / 1e6:.2f}" for g, b in ph["bytes_by_group"].items() if b)
         lines.append(f"  weight bytes read per token: {wb / 1e6:.3f} MB ({groups}); "
                      f"KV cache {ph['kv_bytes_per_token']['median'] / 1e6:.3f} MB")
         gbs = ph["weight_gb_s"]
         frac = ph["read_bw_fraction"]
-        lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s [{gbs['min']:.2f}–{gbs['max']:.2f}]"
-                     + ("" if frac is None else f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth "
-                        f"({result['read_gbps']:.1f} GB/s)"))
+        of_probe = (" (no read bandwidth from the probe)" if frac is None else
+                    f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth ({result['read_gbps']:.1f} GB/s)")
+        lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s "
+                     f"[{gbs['min']:.2f}–{gbs['max']:.2f}]{of_probe}")
         fc = ph["fixed_cost_per_layer"]
-        lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs per layer "
-                     f"[{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
+        lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs "
+                     f"per layer [{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
     lines.append(f"\n(timer overhead ≈ {result['timer_overhead_per_call_s'] * 1e6:.2f} µs per op call, "
                  "shown as its own part and not in the rest)")
     return "\n".join(lines)
@@ -408,7 +411,6 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences prefilled and decoded together")
-    ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     ap.add_argument("--no-probe", action="store_true",
                     help="no read-bandwidth fraction (skips tuner.probe, which measures once per machine)")
     ap.add_argument("--no-store", action="store_true", help="do not append the rows to the result store")
@@ -426,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:
@@ -435,18 +438,25 @@ def main(argv=None) -> int:
         return 2
 
 
-def run_args(args, LLM) -> int:
+def knob_overrides(args) -> dict:
+    """--backend and every --knob NAME=VALUE as LLM knobs."""
     from engine.errors import MoetuneError
 
-    if min(args.prompt_len, args.decode, args.batch, args.repeats) < 1:
-        raise MoetuneError("--prompt-len, --decode, --batch and --repeats must be ≥ 1")
     knobs = {"kernel_backend": args.backend}
     for kv in args.knob or []:
         if "=" not in kv:
             raise MoetuneError(f"--knob {kv!r}: expected NAME=VALUE")
         name, value = kv.split("=", 1)
         knobs[name] = value
-    llm = LLM(args.model, dtype=args.dtype, knobs=knobs, progress=not args.json)
+    return knobs
+
+
+def run_args(args, LLM) -> int:
+    from engine.errors import MoetuneError
+
+    if min(args.prompt_len, args.decode, args.batch, args.repeats) < 1:
+        raise MoetuneError("--prompt-len, --decode, --batch and --repeats must be ≥ 1")
+    llm = LLM(args.model, dtype=args.dtype, knobs=knob_overrides(args), progress=not args.json)
     run(llm, args.model, args.prompt_len, args.decode, args.batch, args.repeats, probe=not args.no_probe,
         store=not args.no_store, as_json=args.json)
     return 0

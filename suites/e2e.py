@@ -69,7 +69,8 @@ def measure(llm: LLM, prompt_len: int, decode: int, repeats: int, seed: int = 0)
             "ttft_s": summarize([r["ttft_s"] for r in runs]), "prefill_tok_s": prefill,
             "decode_tok_s": dec, "decode_weight_gb_s": gbs,
             "backend": llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
-            "threads": llm.knobs["threads"], "machine": fingerprint()}
+            "threads": llm.knobs["threads"], "threads_prefill": llm.knobs["threads_prefill"],
+            "threads_decode": llm.knobs["threads_decode"], "machine": fingerprint()}
 
 
 def main(argv=None) -> int:
@@ -81,25 +82,26 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     ap.add_argument("--breakdown", action="store_true",
                     help="split the prefill's and a decode step's time into kernel ops and the rest "
                          "(suites/breakdown.py; --decode is then the decode steps timed per repeat)")
     breakdown.add_arguments(ap.add_argument_group("with --breakdown"))
     args = ap.parse_args(argv)
-    if args.breakdown:
-        try:
+    try:
+        if args.breakdown:
             return breakdown.run_args(args, LLM)
-        except MoetuneError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    llm = LLM(args.model, dtype=args.dtype, knobs={"kernel_backend": args.backend})
+        llm = LLM(args.model, dtype=args.dtype, knobs=breakdown.knob_overrides(args))
+    except MoetuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     r = measure(llm, args.prompt_len, args.decode, args.repeats)
     if args.json:
         print(json.dumps(r))
         return 0
     f = lambda d, fmt: f"{fmt.format(d['median'])} [{fmt.format(d['min'])}–{fmt.format(d['max'])}]"  # noqa: E731
-    print(f"model {args.model} ({r['dtype']}, backend {r['backend']}, {r['threads']} threads) on "
-          f"{r['machine']['cpu_model']} [{r['machine']['hash']}]")
+    print(f"model {args.model} ({r['dtype']}, backend {r['backend']}, {r['threads_prefill']}/{r['threads_decode']} "
+          f"threads prefill/decode) on {r['machine']['cpu_model']} [{r['machine']['hash']}]")
     print(f"  prefill {args.prompt_len} tokens: TTFT {f(r['ttft_s'], '{:.3f}')} s, {f(r['prefill_tok_s'], '{:.1f}')} tokens/s")
     print(f"  decode {args.decode} tokens: {f(r['decode_tok_s'], '{:.2f}')} tokens/s "
           f"(≈{r['decode_weight_gb_s']:.2f} GB/s of weights read)")

@@ -55,11 +55,13 @@ def test_cli_stores_rows_whose_parts_add_up(store, capsys):
             assert math.isclose(sum(v[i] for p, v in parts.items() if p != "total"), parts["total"][i],
                                 rel_tol=1e-9, abs_tol=1e-12)
         assert all(parts[p][0] > 0 for p in ("linear.attn", "attention", "norms", "fused_moe", "lm_head", "total"))
-        fig = {m: list(s) for m, s, w in zip(df["metric"], df["samples"], work) if w["phase"] == phase and m != "part_seconds"}
+        fig = {m: list(s) for m, s, w in zip(df["metric"], df["samples"], work)
+               if w["phase"] == phase and m != "part_seconds"}
         assert set(fig) == FIGURES
         for gbs, frac in zip(fig["weight_gb_s"], fig["read_bw_fraction"]):
             assert math.isclose(frac, gbs / 10.0)
-        extra = json.loads(df[(df["metric"] == "weight_gb_s") & work.map(lambda w: w["phase"] == phase)]["extra"].iloc[0])
+        gb_row = df[(df["metric"] == "weight_gb_s") & work.map(lambda w: w["phase"] == phase)]
+        extra = json.loads(gb_row["extra"].iloc[0])
         assert extra["read_gbps"] == 10.0 and extra["layers"] == 2
         assert set(extra["bytes_by_group"]) == set(breakdown.BYTE_GROUPS)
 
@@ -92,7 +94,8 @@ def test_weight_bytes_are_the_weights_a_decode_token_reads():
     experts = sum((nb(w[f"layers.{i}.experts.w13"]) + nb(w[f"layers.{i}.experts.w2"])) * c.num_experts_per_tok
                   // c.n_routed_experts for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
     want = {"attention": attn, "dense": total(lambda k: ".mlp." in k), "routed_experts": experts,
-            "shared_experts": total(lambda k: ".shared." in k), "router": sum(nb(x) for x in llm.model.routers.values()),
+            "shared_experts": total(lambda k: ".shared." in k),
+            "router": sum(nb(x) for x in llm.model.routers.values()),
             "lm_head": nb(w["lm_head"]), "embed": w["embed"].shape[1] * w["embed"].element_size()}
     dec = r["phases"]["decode"]
     assert dec["bytes_by_group"] == want

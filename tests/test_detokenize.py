@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
-import tokenizers
 
 from engine import LLM, SamplingParams
 from engine.llm import RequestOutput
@@ -186,7 +186,8 @@ def test_eos_and_max_tokens(llm):
         script = body[:2] + [llm.eos_token_id] + body[2:] + [llm.eos_token_id]
         assert scripted(llm, script, params) == expected(llm, script, params)
     script = body[:3] + [llm.eos_token_id]  # EOS right after the first byte of "€"
-    assert scripted(llm, script, SamplingParams(max_tokens=100)) == expected(llm, script, SamplingParams(max_tokens=100))
+    params = SamplingParams(max_tokens=100)
+    assert scripted(llm, script, params) == expected(llm, script, params)
 
 
 def test_empty_stop_string_stops_at_once(llm):
