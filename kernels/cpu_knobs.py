@@ -88,7 +88,19 @@ CPU_KNOBS: tuple[Knob, ...] = (
 LOAD_KNOBS = ("cpu_huge_pages",)
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
-# the instruction-variant knobs (resolved at the call against the CPU's features)
-ISA_KNOBS = ("cpu_int8_isa", "cpu_bf16_isa")
+# the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the
+# CPU feature it needs (/proc/cpuinfo's flag name; None: any AVX-512 CPU)
+ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
+                "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
+ISA_KNOBS = tuple(ISA_VARIANTS)
+# the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)
+MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")
+
+
+def variants_for(flags) -> dict[str, dict[str, str]]:
+    """Per ISA knob, each variant → "native" (the CPU flags have its feature) or "model" (only the
+    C++ model of its instructions runs here: tests)."""
+    return {knob: {v: "native" if need is None or need in flags else "model" for v, need in variants.items()}
+            for knob, variants in ISA_VARIANTS.items()}
 # read by the attention kernels (the others by linear / fused MoE)
 ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))

@@ -414,3 +414,36 @@ def test_probe_read_methods_and_peaks():
             ext.bf16_dot_gflops(10)
         with pytest.raises(RuntimeError, match="AMX"):
             ext.amx_peak_gops(10, True)
+
+
+def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_present():
+    """tuner.probe on a tiny buffer and few iterations (no figure asserted: that is the probe's job):
+    the limit is the best of every method, each method is recorded, a peak is given exactly for the
+    instructions present, and the variants line names the model-only ones."""
+    import tuner.probe as probe
+
+    r = probe.measure(repeats=2, buffer_bytes=4 << 20, iters=2000)
+    assert len(r["read_methods"]) == len(probe.READ_METHODS) + 2
+    assert r["read_gbps"] >= max(r["read_methods"].values()) and r["read_method"] in r["read_methods"]
+    assert r["read_gbps_sequential"] == r["read_methods"]["sequential"]
+    assert r["fp32_fma_gflops"] > 0 and r["int16_madd_gops"] > 0
+    for key, feature in (("vnni_int8_gops", "avx512_vnni"), ("bf16_dot_gflops", "avx512_bf16"), ("amx_int8_gops", "amx")):
+        assert (r[key] is not None) == (feature in HAS), key
+    assert r["isa_variants"] == cpu.isa_variants() and r["version"] == probe.VERSION
+    line = probe.variants_line(r["isa_variants"])
+    assert line.startswith("cpu_int8_isa avx512")
+    assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
+
+
+def test_fingerprint_lists_the_variants_native_and_model_only():
+    from kernels.cpu_knobs import variants_for
+    from tuner.fingerprint import fingerprint
+
+    fp = fingerprint()
+    flags = set(fp["isa"].split(","))
+    native = variants_for(flags)
+    for knob, variants in native.items():
+        for v, how in variants.items():
+            assert (f"{v}" in fp["cpu_kernel_variants"].split(f"{knob}=")[1].split(";")[0].split(",")) == (how == "native")
+    assert ("avx512bf16" in fp["cpu_kernel_variants_model_only"]) == ("avx512_bf16" not in flags)
+    assert {f for f in cpu.detected_features() if f != "amx"} <= flags  # cpuid and /proc/cpuinfo agree
