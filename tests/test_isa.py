@@ -146,7 +146,8 @@ def test_the_record_is_off_outside_and_nests():
 
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
-    return {"avx512", "blas"} | {v for v, f in need.items() if f in mask}
+    # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
+    return {"avx512", "blas", "onednn"} | {v for v, f in need.items() if f in mask}
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -157,7 +158,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
         with cpu.feature_mask(mask) as now:
             assert now == mask & HAS == cpu.features()
             for knob in cpu.ISA_KNOBS:
-                assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512"} | allowed_variants(mask)
+                assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512", "unpack"} | allowed_variants(mask)
             for (fmt, w), t, dtype in itertools.product(weights.items(), (1, 5, 40), (torch.float32, torch.bfloat16)):
                 x = torch.randn(t, 256, generator=g).to(dtype)
                 for int8_isa, bf16_isa in itertools.product(("auto", "avx512", "vnni"), ("auto", "avx512", "avx512bf16")):
@@ -200,6 +201,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
     with cpu.feature_mask(set()):
         assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
+        assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
@@ -391,6 +393,44 @@ def test_native_bf16_dot_has_the_same_rules():
     assert used == "avx512bf16" and native.tolist() == [[0.0, 0.0, 0.0]]
 
 
+# ------------------------------------------------------------------ BF16 prefill: oneDNN through torch
+
+
+@pytest.mark.parametrize("shape", ["regular_t64", "odd_t37"])
+def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
+    """cpu_bf16_gemm=onednn on the GEMM path (T ≥ cpu_gemm_min_tokens) is torch's bf16 F.linear:
+    bitwise equal to it on bf16 activations; float32 ones are rounded to bf16 (the bf16 bound)."""
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(t + n)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "bf16")
+    x = torch.randn(t, k, generator=g)
+    knobs = {"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    with cpu.recording() as rec:
+        got = cpu.linear(x.bfloat16(), w, knobs=knobs)
+        forced = cpu.linear(x, w, knobs=knobs)
+        below = cpu.linear(x[:3].bfloat16(), w, knobs=knobs)  # below the GEMM threshold: the microkernels
+    assert [r["isa"] for r in rec][:2] == ["onednn", "onednn"] and "onednn" not in rec[2]["isa"]
+    assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w.w))
+    check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
+    check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
+    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
+    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
+    with cpu.feature_mask(set()):
+        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == "blas"
+
+
+def test_bf16_gemm_onednn_in_fused_moe():
+    t, e, d, i, k, pool = MOE_CASES["all_on_one"]  # 37 tokens on one expert: its GEMM path
+    w13, w2 = moe_weights(e, d, i, "bf16")
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with cpu.recording() as rec:
+        got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32})
+    assert rec[0]["isa"] == "onednn"
+    check(got, reference.fused_moe(x, w13, w2, tw, ids), BF16_MOE, "onednn fused MoE")
+
+
 # ------------------------------------------------------------------ the probe's readers and peaks
 
 
@@ -431,7 +471,7 @@ def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_prese
         assert (r[key] is not None) == (feature in HAS), key
     assert r["isa_variants"] == cpu.isa_variants() and r["version"] == probe.VERSION
     line = probe.variants_line(r["isa_variants"])
-    assert line.startswith("cpu_int8_isa avx512")
+    assert line.startswith("cpu_int8_isa avx512") and "cpu_bf16_gemm unpack, onednn" in line
     assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
 
 

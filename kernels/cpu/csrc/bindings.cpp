@@ -42,6 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Bf16Isa>(m, "Bf16Isa")
       .value("auto", moetune::kBf16IsaAuto).value("avx512", moetune::kBf16IsaAvx512)
       .value("avx512bf16", moetune::kBf16IsaDot);
+  py::enum_<moetune::Bf16Gemm>(m, "Bf16Gemm")
+      .value("auto", moetune::kBf16GemmAuto).value("unpack", moetune::kBf16GemmUnpack)
+      .value("onednn", moetune::kBf16GemmOnednn);
   py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)
@@ -56,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
+      .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)
       .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)
       .def_readwrite("attn_kv_splits", &Knobs::attn_kv_splits)
       .def_readwrite("attn_decode_kv_block", &Knobs::attn_decode_kv_block)

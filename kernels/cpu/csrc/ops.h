@@ -43,9 +43,11 @@ int64_t feature_mask();
 void set_emulated_features(int64_t mask);
 // The Dot variant of a weight's microkernels for these knobs on this (masked) CPU.
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16);
+// Whether a BF16 weight's GEMM path calls torch's bf16 linear (oneDNN) for these knobs here.
+bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
-                       kUsedAmx = 32, kUsedBlas = 64 };
+                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128 };
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
