@@ -121,6 +121,15 @@ def test_a_prebuilt_struct_is_used_as_is_and_configure_sets_the_default():
         cpu.configure({"cpu_micro_rows": old})
 
 
+def test_a_prebuilt_struct_is_not_converted_at_the_call(monkeypatch):
+    kn = cpu.make_knobs({"cpu_micro_rows": 8})
+    monkeypatch.setattr(cpu, "make_knobs", lambda *a: pytest.fail("a call converted knobs"))
+    w = formats.quantize_int8_channel(torch.randn(16, 64))
+    assert cpu._struct(kn) is kn and cpu._struct(None) is cpu._default_struct
+    cpu.linear(torch.randn(2, 64), w, knobs=kn)
+    cpu.linear(torch.randn(2, 64), w)
+
+
 def test_the_record_is_off_outside_and_nests():
     assert cpu._records is None
     w13, w2 = moe_weights(4, 64, 32, "int8")
