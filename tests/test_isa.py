@@ -176,6 +176,15 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                 "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
+            for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
+                x = torch.randn(40, 256, generator=g).to(dtype)
+                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni"),
+                                                              ("auto", "unpack", "onednn", "avx512bf16")):
+                    with cpu.recording() as rec:
+                        cpu.linear(x, weights[fmt], knobs={"cpu_int8_gemm": int8_gemm, "cpu_bf16_gemm": bf16_gemm,
+                                                           "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
+                    used = set(rec[0]["isa"].split("+"))
+                    assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
     assert cpu.features() == HAS  # the mask is restored
 
 
@@ -216,7 +225,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_dot_instructions_appear_only_in_dispatched_functions():
     """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
-    in the functions compiled for them (dot_hw kernels, the probe's peaks, the AMX tile class)."""
+    in the functions compiled for them (dot_hw kernels, the dot-product tiles, the probe's peaks, the AMX tile class)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
                          text=True, check=True).stdout
     where, fn = {}, ""
@@ -227,7 +236,7 @@ def test_dot_instructions_appear_only_in_dispatched_functions():
             where.setdefault(fn, 0)
             where[fn] += 1
     assert where, "no dot-product instruction at all: the variants were not compiled"
-    allowed = ("dot_hw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
+    allowed = ("dot_hw::", "DotTilesHw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
     stray = [f for f in where if not any(a in f for a in allowed)]
     assert not stray, stray
     assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)
@@ -438,6 +447,74 @@ def test_bf16_gemm_onednn_in_fused_moe():
         got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32})
     assert rec[0]["isa"] == "onednn"
     check(got, reference.fused_moe(x, w13, w2, tw, ids), BF16_MOE, "onednn fused MoE")
+
+
+# ------------------------------------------------------------------ prefill: the tile GEMM on dot-product instructions
+
+TILE_SHAPES = {"one": (1, 1, 1), "regular": (64, 256, 512), "odd": (33, 70, 1000), "tails": (5, 17, 40),
+               "long_k": (17, 33, 2048), "k_tail_1": (3, 40, 65)}  # (M, N, K), as tests/test_amx.py
+
+
+def tile_inputs(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    xb, wb = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    xi = torch.randint(-127, 128, (m, k), generator=g).float()
+    wi = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return xb, wb, xi, wi
+
+
+def tiles(x, w, engine):
+    fmt = cpu.FORMAT_IDS["int8" if w.dtype == torch.int8 else "bf16"]
+    return cpu._ext.tile_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], engine)
+
+
+@pytest.mark.parametrize("shape", sorted(TILE_SHAPES))
+def test_dot_tiles_match_exact_math(shape):
+    """The AMX tile machine on AVX-512 dot products (amx.cpp DotTiles), model (engine 3) everywhere and
+    native (engine 2) where present: INT8 (vpdpbusd on A + 128, minus 128·Σw) equal to exact math;
+    BF16 (vdpbf16ps) within tests/test_amx.py's 2e-6 of float64 math."""
+    xb, wb, xi, wi = tile_inputs(*TILE_SHAPES[shape], seed=len(shape))
+    exact = xi.double() @ wi.double().T
+    ref = xb.double() @ wb.double().T
+    assert torch.equal(tiles(xi, wi, 3).double(), exact)
+    assert ((tiles(xb, wb, 3).double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= 2e-6
+    if "avx512_vnni" in HAS:
+        assert torch.equal(tiles(xi, wi, 2).double(), exact)
+    if "avx512_bf16" in HAS:
+        assert torch.equal(tiles(xb, wb, 2), tiles(xb, wb, 3))
+    with cpu.feature_mask(set()):
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            tiles(xi, wi, 2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
+    knob, value, feature = (("cpu_int8_gemm", "vnni", "avx512_vnni") if fmt == "int8"
+                            else ("cpu_bf16_gemm", "avx512bf16", "avx512_bf16"))
+    g = torch.Generator().manual_seed(9)
+    w = make_weight(torch.randn(130, 1000, generator=g) * 0.05, fmt)
+    x = torch.randn(37, 1000, generator=g)
+    knobs = {knob: value, "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    with cpu.emulate([feature]), cpu.recording() as rec:
+        got = cpu.linear(x, w, knobs=knobs)
+    assert rec[0]["isa"] == ("vnni-model" if fmt == "int8" else "avx512bf16-model")
+    if fmt == "int8":  # exact integer sums: equal to the unpack + BLAS path
+        assert torch.equal(got, cpu.linear(x, w, knobs={**knobs, knob: "unpack"}))
+        check(got, reference.linear(x, w), TIGHT, "vnni tiles")
+    else:
+        check(got, reference.linear(x.bfloat16().float(), w), TIGHT, "bf16 dot tiles vs rounded activations")
+    if feature in HAS:
+        with cpu.recording() as rec:
+            assert torch.equal(cpu.linear(x, w, knobs=knobs), got)
+        assert rec[0]["isa"] == ("vnni" if fmt == "int8" else "avx512bf16")
+    t, e, d, i, k, pool = MOE_CASES["all_on_one"]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    xm = torch.randn(t, d, generator=g)
+    with cpu.emulate([feature]), cpu.recording() as rec:
+        got = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=knobs)
+    assert "model" in rec[0]["isa"]
+    check(got, reference.fused_moe(xm, w13, w2, tw, ids), TIGHT if fmt == "int8" else BF16_LINEAR, f"{fmt} moe tiles")
 
 
 # ------------------------------------------------------------------ the probe's readers and peaks

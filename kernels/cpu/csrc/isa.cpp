@@ -58,6 +58,15 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
   return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
 }
 
+int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
+  const unsigned have = usable_features(), emu = emulated_features();
+  unsigned feat = 0;
+  if (W.fmt == kInt8 && W.wsum && kn.int8_gemm == kInt8GemmVnni) feat = kFeatVnni;
+  if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
+  if (!feat) return -1;
+  return (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
+}
+
 void reset_used() { t_used = 0; }
 void note_used(unsigned bits) { t_used |= bits; }
 void note_dot(int dot) {

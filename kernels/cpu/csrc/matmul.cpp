@@ -95,8 +95,8 @@ void Knobs::check() const {
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
-                  bf16_gemm <= kBf16GemmOnednn,
-              "fp8_method, int4_method, int8_isa, bf16_isa and bf16_gemm must be set");
+                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni,
+              "fp8_method, int4_method, int8_isa, bf16_isa, bf16_gemm and int8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -385,6 +385,12 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) {
     note_used(kUsedAmx);
     return gemm_amx(x_act, W, false);
+  }
+  const int engine = gemm_dot_engine(W, kn);
+  if (engine >= 0) {
+    const bool model = engine == kTilesDotModel;
+    note_used(W.fmt == kInt8 ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
+    return gemm_tiles_run(x_act, W, engine);
   }
   note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;

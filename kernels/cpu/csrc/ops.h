@@ -79,6 +79,12 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
 const std::string& amx_unavailable();
 bool amx_usable(int fmt);
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
+// The tile GEMM on one engine: AMX, its C++ model, or AVX-512 dot-product tiles (VNNI / AVX512-BF16)
+// or their C++ model (amx.cpp).
+enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3 };
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
+// The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none).
+int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
 inline int64_t gemm_from(int fmt, const Knobs& kn) {  // AMX: under the feature mask too
   return amx_usable(fmt) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
