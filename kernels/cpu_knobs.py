@@ -55,6 +55,18 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "float32 FMAs, auto: avx512bf16 where the CPU has it and the activations are bf16 already "
          "(then nothing is rounded that the model did not round). Falls back to avx512 where the CPU "
          "lacks it", choices=("auto", "avx512", "avx512bf16")),
+    Knob("cpu_bf16_gemm", str, "auto", "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert) with BF16 weights on the GEMM path (from "
+         "cpu_gemm_min_tokens rows): our weight unpack + float32 BLAS, or AMX tiles (unpack); torch's "
+         "bf16 linear, i.e. oneDNN, on activations rounded to bf16 with a bf16 output (onednn); our tile "
+         "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); "
+         "auto: onednn where the CPU has AVX512-BF16 or AMX and the activations are bf16 already, else unpack",
+         choices=("auto", "unpack", "onednn", "avx512bf16")),
+    Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
+         "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS, or AMX tiles where present (unpack), "
+         "or our tile GEMM on vpdpbusd (vnni; exact integer sums; needs AVX512-VNNI, else unpack). auto: "
+         "unpack (vnni's speed is not measured yet)", choices=("auto", "unpack", "vnni")),
     Knob("cpu_huge_pages", bool, False, "kernels/cpu",
          "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
          "transparent huge pages (fewer TLB misses while streaming experts from DRAM; measured both "
@@ -88,8 +100,23 @@ CPU_KNOBS: tuple[Knob, ...] = (
 LOAD_KNOBS = ("cpu_huge_pages",)
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
-# the instruction-variant knobs (resolved at the call against the CPU's features)
-ISA_KNOBS = ("cpu_int8_isa", "cpu_bf16_isa")
+# the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the
+# CPU feature it needs (/proc/cpuinfo's flag name; None: any AVX-512 CPU)
+# (cpu_bf16_gemm's variants run anywhere: oneDNN dispatches its own instructions, outside the mask)
+ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
+                "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
+                "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
+                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"}}
+ISA_KNOBS = tuple(ISA_VARIANTS)
+# the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)
+MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")
+
+
+def variants_for(flags) -> dict[str, dict[str, str]]:
+    """Per ISA knob, each variant → "native" (the CPU flags have its feature) or "model" (only the
+    C++ model of its instructions runs here: tests)."""
+    return {knob: {v: "native" if need is None or need in flags else "model" for v, need in variants.items()}
+            for knob, variants in ISA_VARIANTS.items()}
 # read by the attention kernels (the others by linear / fused MoE)
 ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))
 

@@ -27,10 +27,16 @@ Attention (default ops: fused_moe and linear only; the format is the cache's, bf
   bytes = q, k, v read and the output written once.
 Rows carry `context`: the keys per sequence (mla_decode) or prefix + T (extend); None otherwise.
 
+Printed first: the ISA variants of the cpu kernels (cpu_int8_isa, cpu_bf16_isa) that run natively
+here and those that exist only as C++ models (tests); each row's `isa` is what its case ran (the
+call record of its first warm-up: avx512, vnni, avx512bf16, amx, blas, "+"-joined). Choose a variant
+with --knob cpu_int8_isa=avx512 and the like.
+
 Each case: 2 warm-ups, then `repeats` rounds alternating ours and torch's (F.linear per expert on
 weights dequantized to bfloat16 beforehand, bf16 activations); median and p10/p90 of each.
 gbps = bytes touched / median; fraction_of_read_bw = gbps / the probe's read bandwidth; GFLOP/s
-and fraction_of_peak_flops against the FP32 FMA peak. Rows go to the Parquet store
+and fraction_of_peak_flops against the probe's peak of the instruction the case ran (`peak`: VNNI,
+AVX512-BF16 dot, AMX, else FP32 FMA). Rows go to the Parquet store
 (results.store, suite "kernels").
 """
 from __future__ import annotations
@@ -150,10 +156,20 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+_LAST_ISA: list[str] = []  # the instruction variants our first warm-up call ran (kernels.cpu's call record)
+
+
 def alternate(ours, theirs, repeats: int) -> tuple[list[float], list[float]]:
-    """2 warm-ups each, then `repeats` rounds of (ours, theirs); each call gets the round index."""
+    """2 warm-ups each, then `repeats` rounds of (ours, theirs); each call gets the round index.
+    The first warm-up of ours runs under kernels.cpu.recording(): its variants go to _LAST_ISA."""
+    import kernels.cpu as cpu
+
+    with cpu.recording() as rec:
+        ours(0)
+    _LAST_ISA[:] = [rec[-1]["isa"] if rec else "reference"]
     for r in range(2):
-        ours(r)
+        if r:
+            ours(r)
         theirs(r)
     a, b = [], []
     for r in range(repeats):
@@ -264,6 +280,14 @@ def bench_extend(shape: AttnShape, t: int, prefix: int, repeats: int, g: torch.G
                 2 * (q.numel() + k.numel() + v.numel() + t * h * dv), 2 * h * (dk + dv) * pairs, context=s)
 
 
+def _peak_key(isa: str, fmt: str, limits: dict) -> str:
+    """The probe's peak of the instruction a case ran (FP32 FMA where the probe has no other)."""
+    used = isa.split("+")
+    key = ("amx_int8_gops" if fmt == "int8" else "amx_bf16_gflops") if "amx" in used else \
+        "vnni_int8_gops" if "vnni" in used else "bf16_dot_gflops" if "avx512bf16" in used else "fp32_fma_gflops"
+    return key if limits.get(key) else "fp32_fma_gflops"
+
+
 def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = None) -> dict:
     from tuner.probe import probe
 
@@ -271,11 +295,13 @@ def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = N
     s = summary(ours)
     gbps = nbytes / s["median_s"] / 1e9
     byte_key = "weight_bytes" if context is None else "bytes"  # attention: cache / activation bytes
-    row = {"op": op, "format": fmt, "tokens": t, "shape": shape, "context": context, **s, "gbps": gbps,
+    row = {"op": op, "format": fmt, "tokens": t, "shape": shape, "context": context, "isa": "".join(_LAST_ISA[-1:]),
+           **s, "gbps": gbps,
            "fraction_of_read_bw": gbps / limits["read_gbps"], "torch_median_s": statistics.median(theirs),
            "speedup_vs_torch": statistics.median(theirs) / s["median_s"],
            "gflops": flops / s["median_s"] / 1e9, byte_key: nbytes, "samples": ours, "torch_samples": theirs}
-    row["fraction_of_peak_flops"] = row["gflops"] / limits["fp32_fma_gflops"]
+    row["peak"] = _peak_key(row["isa"], fmt, limits)
+    row["fraction_of_peak_flops"] = row["gflops"] / limits[row["peak"]]
     return row
 
 
@@ -309,6 +335,10 @@ def run(ops, fmts, tokens=None, which="small", experts_v3=32, repeats=10, store=
     from tqdm import tqdm
 
     todo = list(cases(ops, fmts, tokens, which, experts_v3, contexts, prefixes))
+    if not as_json:
+        from tuner.probe import variants_line
+
+        print(f"ISA variants: {variants_line(cpu.isa_variants())}; the isa column: what each case ran", file=out)
     rows = []
     g = torch.Generator().manual_seed(0)
     for case in tqdm(todo, desc="kernel suite", leave=False, disable=as_json):
@@ -322,7 +352,7 @@ def run(ops, fmts, tokens=None, which="small", experts_v3=32, repeats=10, store=
 
 
 def _line(r: dict) -> str:
-    return (f"{r['op']:10s} {r['format']:5s} T={r['tokens']:<4d} {r['shape']:42s} {r['median_s'] * 1e3:9.3f} ms "
+    return (f"{r['op']:10s} {r['format']:5s} T={r['tokens']:<4d} {r['shape']:42s} {r['isa']:10s} {r['median_s'] * 1e3:9.3f} ms "
             f"[{r['p10_s'] * 1e3:.3f}–{r['p90_s'] * 1e3:.3f}] {r['gbps']:6.2f} GB/s "
             f"{r['fraction_of_read_bw'] * 100:5.1f}% bw {r['gflops']:7.1f} GFLOP/s  torch {r['torch_median_s'] * 1e3:9.3f} ms "
             f"(×{r['speedup_vs_torch']:.2f})")
@@ -337,7 +367,7 @@ def _store(rows: list[dict], knobs: dict) -> None:
                   "knobs": knobs, "metric": "kernel_seconds", "unit": "s", "direction": "minimize",
                   "samples": r["samples"],
                   "extra": {k: r[k] for k in ("gbps", "fraction_of_read_bw", "torch_median_s", "speedup_vs_torch",
-                                              "gflops", "fraction_of_peak_flops", "weight_bytes", "bytes")
+                                              "gflops", "fraction_of_peak_flops", "weight_bytes", "bytes", "isa", "peak")
                             if k in r}}
                  for r in rows], suite="kernels")
 

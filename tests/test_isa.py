@@ -121,6 +121,15 @@ def test_a_prebuilt_struct_is_used_as_is_and_configure_sets_the_default():
         cpu.configure({"cpu_micro_rows": old})
 
 
+def test_a_prebuilt_struct_is_not_converted_at_the_call(monkeypatch):
+    kn = cpu.make_knobs({"cpu_micro_rows": 8})
+    monkeypatch.setattr(cpu, "make_knobs", lambda *a: pytest.fail("a call converted knobs"))
+    w = formats.quantize_int8_channel(torch.randn(16, 64))
+    assert cpu._struct(kn) is kn and cpu._struct(None) is cpu._default_struct
+    cpu.linear(torch.randn(2, 64), w, knobs=kn)
+    cpu.linear(torch.randn(2, 64), w)
+
+
 def test_the_record_is_off_outside_and_nests():
     assert cpu._records is None
     w13, w2 = moe_weights(4, 64, 32, "int8")
@@ -146,7 +155,8 @@ def test_the_record_is_off_outside_and_nests():
 
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
-    return {"avx512", "blas"} | {v for v, f in need.items() if f in mask}
+    # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
+    return {"avx512", "blas", "onednn"} | {v for v, f in need.items() if f in mask}
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -157,7 +167,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
         with cpu.feature_mask(mask) as now:
             assert now == mask & HAS == cpu.features()
             for knob in cpu.ISA_KNOBS:
-                assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512"} | allowed_variants(mask)
+                assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512", "unpack"} | allowed_variants(mask)
             for (fmt, w), t, dtype in itertools.product(weights.items(), (1, 5, 40), (torch.float32, torch.bfloat16)):
                 x = torch.randn(t, 256, generator=g).to(dtype)
                 for int8_isa, bf16_isa in itertools.product(("auto", "avx512", "vnni"), ("auto", "avx512", "avx512bf16")):
@@ -166,6 +176,15 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                 "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
+            for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
+                x = torch.randn(40, 256, generator=g).to(dtype)
+                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni"),
+                                                              ("auto", "unpack", "onednn", "avx512bf16")):
+                    with cpu.recording() as rec:
+                        cpu.linear(x, weights[fmt], knobs={"cpu_int8_gemm": int8_gemm, "cpu_bf16_gemm": bf16_gemm,
+                                                           "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
+                    used = set(rec[0]["isa"].split("+"))
+                    assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
     assert cpu.features() == HAS  # the mask is restored
 
 
@@ -200,12 +219,13 @@ def test_the_tuner_searches_only_variants_that_run_here():
     with cpu.feature_mask(set()):
         assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
+        assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_dot_instructions_appear_only_in_dispatched_functions():
     """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
-    in the functions compiled for them (dot_hw kernels, the probe's peaks, the AMX tile class)."""
+    in the functions compiled for them (dot_hw kernels, the dot-product tiles, the probe's peaks, the AMX tile class)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
                          text=True, check=True).stdout
     where, fn = {}, ""
@@ -216,7 +236,7 @@ def test_dot_instructions_appear_only_in_dispatched_functions():
             where.setdefault(fn, 0)
             where[fn] += 1
     assert where, "no dot-product instruction at all: the variants were not compiled"
-    allowed = ("dot_hw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
+    allowed = ("dot_hw::", "DotTilesHw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
     stray = [f for f in where if not any(a in f for a in allowed)]
     assert not stray, stray
     assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)
@@ -391,6 +411,112 @@ def test_native_bf16_dot_has_the_same_rules():
     assert used == "avx512bf16" and native.tolist() == [[0.0, 0.0, 0.0]]
 
 
+# ------------------------------------------------------------------ BF16 prefill: oneDNN through torch
+
+
+@pytest.mark.parametrize("shape", ["regular_t64", "odd_t37"])
+def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
+    """cpu_bf16_gemm=onednn on the GEMM path (T ≥ cpu_gemm_min_tokens) is torch's bf16 F.linear:
+    bitwise equal to it on bf16 activations; float32 ones are rounded to bf16 (the bf16 bound)."""
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(t + n)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "bf16")
+    x = torch.randn(t, k, generator=g)
+    knobs = {"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    with cpu.recording() as rec:
+        got = cpu.linear(x.bfloat16(), w, knobs=knobs)
+        forced = cpu.linear(x, w, knobs=knobs)
+        below = cpu.linear(x[:3].bfloat16(), w, knobs=knobs)  # below the GEMM threshold: the microkernels
+    assert [r["isa"] for r in rec][:2] == ["onednn", "onednn"] and "onednn" not in rec[2]["isa"]
+    assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w.w))
+    check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
+    check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
+    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
+    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
+    with cpu.feature_mask(set()):
+        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == "blas"
+
+
+def test_bf16_gemm_onednn_in_fused_moe():
+    t, e, d, i, k, pool = MOE_CASES["all_on_one"]  # 37 tokens on one expert: its GEMM path
+    w13, w2 = moe_weights(e, d, i, "bf16")
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with cpu.recording() as rec:
+        got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32})
+    assert rec[0]["isa"] == "onednn"
+    check(got, reference.fused_moe(x, w13, w2, tw, ids), BF16_MOE, "onednn fused MoE")
+
+
+# ------------------------------------------------------------------ prefill: the tile GEMM on dot-product instructions
+
+TILE_SHAPES = {"one": (1, 1, 1), "regular": (64, 256, 512), "odd": (33, 70, 1000), "tails": (5, 17, 40),
+               "long_k": (17, 33, 2048), "k_tail_1": (3, 40, 65)}  # (M, N, K), as tests/test_amx.py
+
+
+def tile_inputs(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    xb, wb = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    xi = torch.randint(-127, 128, (m, k), generator=g).float()
+    wi = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return xb, wb, xi, wi
+
+
+def tiles(x, w, engine):
+    fmt = cpu.FORMAT_IDS["int8" if w.dtype == torch.int8 else "bf16"]
+    return cpu._ext.tile_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], engine)
+
+
+@pytest.mark.parametrize("shape", sorted(TILE_SHAPES))
+def test_dot_tiles_match_exact_math(shape):
+    """The AMX tile machine on AVX-512 dot products (amx.cpp DotTiles), model (engine 3) everywhere and
+    native (engine 2) where present: INT8 (vpdpbusd on A + 128, minus 128·Σw) equal to exact math;
+    BF16 (vdpbf16ps) within tests/test_amx.py's 2e-6 of float64 math."""
+    xb, wb, xi, wi = tile_inputs(*TILE_SHAPES[shape], seed=len(shape))
+    exact = xi.double() @ wi.double().T
+    ref = xb.double() @ wb.double().T
+    assert torch.equal(tiles(xi, wi, 3).double(), exact)
+    assert ((tiles(xb, wb, 3).double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= 2e-6
+    if "avx512_vnni" in HAS:
+        assert torch.equal(tiles(xi, wi, 2).double(), exact)
+    if "avx512_bf16" in HAS:
+        assert torch.equal(tiles(xb, wb, 2), tiles(xb, wb, 3))
+    with cpu.feature_mask(set()):
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            tiles(xi, wi, 2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
+    knob, value, feature = (("cpu_int8_gemm", "vnni", "avx512_vnni") if fmt == "int8"
+                            else ("cpu_bf16_gemm", "avx512bf16", "avx512_bf16"))
+    g = torch.Generator().manual_seed(9)
+    w = make_weight(torch.randn(130, 1000, generator=g) * 0.05, fmt)
+    x = torch.randn(37, 1000, generator=g)
+    knobs = {knob: value, "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    with cpu.emulate([feature]), cpu.recording() as rec:
+        got = cpu.linear(x, w, knobs=knobs)
+    assert rec[0]["isa"] == ("vnni-model" if fmt == "int8" else "avx512bf16-model")
+    if fmt == "int8":  # exact integer sums: equal to the unpack + BLAS path
+        assert torch.equal(got, cpu.linear(x, w, knobs={**knobs, knob: "unpack"}))
+        check(got, reference.linear(x, w), TIGHT, "vnni tiles")
+    else:
+        check(got, reference.linear(x.bfloat16().float(), w), TIGHT, "bf16 dot tiles vs rounded activations")
+    if feature in HAS:
+        with cpu.recording() as rec:
+            assert torch.equal(cpu.linear(x, w, knobs=knobs), got)
+        assert rec[0]["isa"] == ("vnni" if fmt == "int8" else "avx512bf16")
+    t, e, d, i, k, pool = MOE_CASES["all_on_one"]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    xm = torch.randn(t, d, generator=g)
+    with cpu.emulate([feature]), cpu.recording() as rec:
+        got = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=knobs)
+    assert "model" in rec[0]["isa"]
+    check(got, reference.fused_moe(xm, w13, w2, tw, ids), TIGHT if fmt == "int8" else BF16_LINEAR, f"{fmt} moe tiles")
+
+
 # ------------------------------------------------------------------ the probe's readers and peaks
 
 
@@ -414,3 +540,36 @@ def test_probe_read_methods_and_peaks():
             ext.bf16_dot_gflops(10)
         with pytest.raises(RuntimeError, match="AMX"):
             ext.amx_peak_gops(10, True)
+
+
+def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_present():
+    """tuner.probe on a tiny buffer and few iterations (no figure asserted: that is the probe's job):
+    the limit is the best of every method, each method is recorded, a peak is given exactly for the
+    instructions present, and the variants line names the model-only ones."""
+    import tuner.probe as probe
+
+    r = probe.measure(repeats=2, buffer_bytes=4 << 20, iters=2000)
+    assert len(r["read_methods"]) == len(probe.READ_METHODS) + 2
+    assert r["read_gbps"] >= max(r["read_methods"].values()) and r["read_method"] in r["read_methods"]
+    assert r["read_gbps_sequential"] == r["read_methods"]["sequential"]
+    assert r["fp32_fma_gflops"] > 0 and r["int16_madd_gops"] > 0
+    for key, feature in (("vnni_int8_gops", "avx512_vnni"), ("bf16_dot_gflops", "avx512_bf16"), ("amx_int8_gops", "amx")):
+        assert (r[key] is not None) == (feature in HAS), key
+    assert r["isa_variants"] == cpu.isa_variants() and r["version"] == probe.VERSION
+    line = probe.variants_line(r["isa_variants"])
+    assert line.startswith("cpu_int8_isa avx512") and "cpu_bf16_gemm unpack, onednn" in line
+    assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
+
+
+def test_fingerprint_lists_the_variants_native_and_model_only():
+    from kernels.cpu_knobs import variants_for
+    from tuner.fingerprint import fingerprint
+
+    fp = fingerprint()
+    flags = set(fp["isa"].split(","))
+    native = variants_for(flags)
+    for knob, variants in native.items():
+        for v, how in variants.items():
+            assert (f"{v}" in fp["cpu_kernel_variants"].split(f"{knob}=")[1].split(";")[0].split(",")) == (how == "native")
+    assert ("avx512bf16" in fp["cpu_kernel_variants_model_only"]) == ("avx512_bf16" not in flags)
+    assert {f for f in cpu.detected_features() if f != "amx"} <= flags  # cpuid and /proc/cpuinfo agree

@@ -1,20 +1,26 @@
 """The machine's limits, measured once per hardware key and cached: the roofline the kernel suite
 and the tuner express their figures against.
 
-- read bandwidth: a streaming read of a 512 MiB float32 buffer by every thread, each its own
-  contiguous slice, summed with four AVX-512 accumulators (C++, in the cpu kernels' extension:
-  kernels/cpu/csrc/probe.cpp); best and median of the repeats;
-- peak arithmetic per ISA path: FP32 FMA (12 independent zmm chains per thread) and the INT8 path
-  this backend uses, int16 vpmaddwd + vpaddd (AVX-512BW); VNNI (vpdpbusd) and AMX are reported
-  only where the CPU has them (not measured yet: no kernel uses them).
+- read bandwidth: a 512 MiB float32 buffer read by every thread, each its own slice, in several
+  ways (C++, in the cpu kernels' extension: kernels/cpu/csrc/probe.cpp): sequential; as 1-8
+  interleaved streams per thread (the kernels read several weight rows at once), each reading 1 or 4
+  consecutive cache lines per step (more loads in flight), with and without software prefetch 1 KiB
+  ahead, with ordinary or non-temporal (vmovntdqa) loads. Every method's best is recorded
+  (`read_methods`) and the best of all is the limit (`read_gbps`), so that no kernel reads faster
+  than the figure its "% of read bandwidth" is taken of; the median is of the best method's repeats;
+- peak arithmetic per instruction (chains of independent operations in registers, every thread):
+  FP32 FMA and int16 vpmaddwd (any AVX-512 CPU), and where the CPU has them (under the kernels'
+  feature mask) VNNI vpdpbusd (int8), AVX512-BF16 vdpbf16ps, AMX TDPBSSD / TDPBF16PS; None where absent;
+- the kernels' ISA variants: which run natively here and which only on their C++ models (tests).
 
     python -m tuner.probe [--refresh] [--json]
 
-Cached in <moetune cache>/probe/<hardware_key>.json.
+Cached in <moetune cache>/probe/<hardware_key>.json (a result of an older probe version is measured again).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -26,51 +32,101 @@ from engine.fingerprint import fingerprint
 from engine.weights.presets import cache_root
 
 BUFFER_BYTES = 512 << 20
+VERSION = 2  # 2: several read methods (best kept), the dot-product peaks, the ISA variants
+# (streams per thread, cache lines per step, prefetch bytes ahead, non-temporal loads)
+READ_METHODS = [m for m in itertools.product((1, 2, 4, 8), (1, 4), (0, 1024), (False, True))]
 
 
 def _path() -> Path:
     return cache_root() / "probe" / f"{fingerprint()['hardware_key']}.json"
 
 
-def measure(repeats: int = 7) -> dict:
-    """Run the probe now (≈5 s). Raises ImportError where the cpu kernels cannot run."""
+def _method_name(streams: int, lines: int, ahead: int, nt: bool) -> str:
+    return f"{streams} streams x {lines} lines" + (f", prefetch {ahead} B" if ahead else "") + (", non-temporal" if nt else "")
+
+
+def read_methods(ext, buf: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """GB/s samples of every read method (the sequential reader, the kernels' 4 streams + prefetch
+    pattern, READ_METHODS), each `repeats` times."""
+    nbytes = buf.numel() * 4
+    out = {"sequential": [nbytes / ext.read_seconds(buf) / 1e9 for _ in range(repeats)],
+           "4 streams, prefetch 1024 B (kernels' pattern)":
+               [nbytes / ext.read_seconds_streams(buf, 4, 1024) / 1e9 for _ in range(repeats)]}
+    for m in READ_METHODS:
+        out[_method_name(*m)] = [nbytes / ext.read_seconds_method(buf, *m) / 1e9 for _ in range(repeats)]
+    return out
+
+
+def _peak(fn, *args):
+    return max(fn(*args) for _ in range(3))
+
+
+def measure(repeats: int = 7, buffer_bytes: int = BUFFER_BYTES, iters: int = 20_000_000) -> dict:
+    """Run the probe now (≈10 s; `buffer_bytes` and `iters` smaller only in tests). Raises
+    ImportError where the cpu kernels cannot run."""
     import kernels.cpu as cpu
 
     ext = cpu.extension()
-    buf = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32)  # touched: pages are really there
+    buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)  # touched: pages are really there
     ext.read_seconds(buf)  # warm-up
-    plain = [BUFFER_BYTES / ext.read_seconds(buf) / 1e9 for _ in range(repeats)]
-    # the kernels read several rows at once with software prefetch: the same pattern, measured too;
-    # the limit is the best either way of reading reaches
-    streamed = [BUFFER_BYTES / ext.read_seconds_streams(buf, 4, 1024) / 1e9 for _ in range(repeats)]
-    gbps = streamed if max(streamed) > max(plain) else plain
+    screened = read_methods(ext, buf, 3)
+    best = max(screened, key=lambda n: max(screened[n]))
+    samples = _best_samples(ext, buf, best, repeats)
     del buf
-    fma = max(ext.fma_gflops(20_000_000) for _ in range(3))
-    madd = max(ext.int16_madd_gops(20_000_000) for _ in range(3))
-    isa = fingerprint()["isa"].split(",")
-    return {
-        "read_gbps": max(gbps), "read_gbps_median": statistics.median(gbps),
-        "read_gbps_sequential": max(plain), "read_gbps_4_streams_prefetch": max(streamed),
-        "fp32_fma_gflops": fma, "int16_madd_gops": madd,
-        "vnni_int8_gops": None, "has_vnni": "avx512_vnni" in isa, "has_amx": "amx_tile" in isa,
+    have = cpu.features()
+    result = {
+        "version": VERSION,
+        "read_gbps": max(max(samples), max(screened[best])), "read_gbps_median": statistics.median(samples),
+        "read_method": best, "read_methods": {n: max(v) for n, v in screened.items()},
+        "read_gbps_sequential": max(screened["sequential"]),
+        "read_gbps_4_streams_prefetch": max(screened["4 streams, prefetch 1024 B (kernels' pattern)"]),
+        "fp32_fma_gflops": _peak(ext.fma_gflops, iters),
+        "int16_madd_gops": _peak(ext.int16_madd_gops, iters),
+        "vnni_int8_gops": _peak(ext.vnni_int8_gops, iters) if "avx512_vnni" in have else None,
+        "bf16_dot_gflops": _peak(ext.bf16_dot_gflops, iters) if "avx512_bf16" in have else None,
+        "amx_int8_gops": _peak(ext.amx_peak_gops, max(1, iters // 10), True) if "amx" in have else None,
+        "amx_bf16_gflops": _peak(ext.amx_peak_gops, max(1, iters // 10), False) if "amx" in have else None,
+        "has_vnni": "avx512_vnni" in have, "has_bf16": "avx512_bf16" in have, "has_amx": "amx" in have,
+        "isa_variants": cpu.isa_variants(),
         "threads": torch.get_num_threads(), "hardware_key": fingerprint()["hardware_key"],
-        "method": "C++ (kernels/cpu/csrc/probe.cpp): 512 MiB read with every thread, sequential and as "
-                  "4 interleaved streams per thread with prefetch 1 KiB ahead (the better counts); "
-                  "FMA / vpmaddwd chains in registers",
+        "method": f"C++ (kernels/cpu/csrc/probe.cpp): {buffer_bytes >> 20} MiB read with every thread in each of "
+                  f"{len(screened)} ways (3 repeats each, the best way {repeats} more; the best figure is the limit); "
+                  "FMA / vpmaddwd / vpdpbusd / vdpbf16ps / AMX tile chains in registers",
     }
+    return result
+
+
+def _best_samples(ext, buf: torch.Tensor, name: str, repeats: int) -> list[float]:
+    """`repeats` more samples of the read method called `name`."""
+    nbytes = buf.numel() * 4
+    if name == "sequential":
+        return [nbytes / ext.read_seconds(buf) / 1e9 for _ in range(repeats)]
+    if name.endswith("(kernels' pattern)"):
+        return [nbytes / ext.read_seconds_streams(buf, 4, 1024) / 1e9 for _ in range(repeats)]
+    m = next(m for m in READ_METHODS if _method_name(*m) == name)
+    return [nbytes / ext.read_seconds_method(buf, *m) / 1e9 for _ in range(repeats)]
 
 
 def probe(refresh: bool = False) -> dict:
     """This machine's limits, from the cache unless `refresh` (or none cached yet)."""
     path = _path()
     if path.is_file() and not refresh:
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if cached.get("version") == VERSION:
+            return cached
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(path)
     return result
+
+
+def variants_line(variants: dict) -> str:
+    """The ISA knobs' variants as one line: "cpu_int8_isa avx512, vnni; ... (emulated only: ...)"."""
+    native = "; ".join(f"{k} " + ", ".join(v for v, how in d.items() if how == "native") for k, d in variants.items())
+    model = [f"{k}={v}" for k, d in variants.items() for v, how in d.items() if how != "native"]
+    return native + (f" (C++ model only, tests: {', '.join(model)})" if model else "")
 
 
 def main(argv=None) -> int:
@@ -82,9 +138,14 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"read bandwidth {r['read_gbps']:.1f} GB/s (median {r['read_gbps_median']:.1f}), "
-          f"FP32 FMA {r['fp32_fma_gflops']:.0f} GFLOP/s, int16 madd {r['int16_madd_gops']:.0f} GOP/s, "
-          f"{r['threads']} threads; VNNI {'yes' if r['has_vnni'] else 'no'}, AMX {'yes' if r['has_amx'] else 'no'}")
+    print(f"read bandwidth {r['read_gbps']:.1f} GB/s (median {r['read_gbps_median']:.1f}; {r['read_method']}), "
+          f"{r['threads']} threads")
+    for name, gbps in sorted(r["read_methods"].items(), key=lambda kv: -kv[1]):
+        print(f"  read {gbps:6.1f} GB/s  {name}")
+    peaks = [("FP32 FMA", "fp32_fma_gflops"), ("int16 madd", "int16_madd_gops"), ("VNNI int8", "vnni_int8_gops"),
+             ("AVX512-BF16 dot", "bf16_dot_gflops"), ("AMX int8", "amx_int8_gops"), ("AMX bf16", "amx_bf16_gflops")]
+    print("peaks: " + ", ".join(f"{label} {r[key]:.0f} G/s" if r.get(key) else f"{label} absent" for label, key in peaks))
+    print("variants: " + variants_line(r["isa_variants"]))
     return 0
 
 

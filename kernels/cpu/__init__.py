@@ -31,7 +31,8 @@ import torch
 
 from kernels import reference
 from kernels.cpu_build import load as _load
-from kernels.cpu_knobs import ATTN_KNOBS, CPU_KNOBS, ISA_KNOBS, LOAD_KNOBS, PER_CALL_KNOBS  # noqa: F401 - re-exported
+from kernels.cpu_knobs import (ATTN_KNOBS, CPU_KNOBS, ISA_KNOBS, ISA_VARIANTS, LOAD_KNOBS,  # noqa: F401 - re-exported
+                               MODELLED_FEATURES, PER_CALL_KNOBS)
 from kernels.formats import DenseWeight, Fp8BlockWeight, Int4GroupWeight, Int8ChannelWeight
 
 _ext = _load()  # ImportError (with the reason) where the kernels cannot run or build
@@ -154,10 +155,7 @@ def _record(op: str, fmt: str, tokens: int, kn) -> None:
 # ---------------------------------------------------------------- ISA features and dispatch
 
 FEATURES = {"avx512_vnni": 1, "avx512_bf16": 2, "amx": 4}  # the C++ feature bits (csrc/isa.cpp)
-EMULATED = ("avx512_vnni", "avx512_bf16")  # the features with a C++ model of their instructions
-# each ISA knob's variants → the feature it needs (None: any AVX-512 CPU)
-ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
-                "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
+EMULATED = MODELLED_FEATURES  # the features with a C++ model of their instructions
 
 
 def _names(bits: int) -> set[str]:

@@ -22,6 +22,7 @@
 #include <string>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include "dot.h"
 #include "ops.h"
 
 namespace moetune {
@@ -47,6 +48,7 @@ TileConfig full_tiles() {  // every tile 16 rows × 64 bytes
 // literal: the template parameter selects one of the literal forms.
 #define MOETUNE_TILE_CASES(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 struct AmxHw {
+  static constexpr bool kFlushDenormals = false;
   MOETUNE_AMX static void config(const TileConfig* c) { _tile_loadconfig(c); }
   MOETUNE_AMX static void release() { _tile_release(); }
   template <int T> MOETUNE_AMX static void zero() {
@@ -85,6 +87,7 @@ struct AmxHw {
 // bytes; TDPBF16PS: C.fp32[m][n] += A.bf16[m][2k]·B.bf16[k][2n] + A.bf16[m][2k+1]·B.bf16[k][2n+1];
 // TDPBSSD: C.int32[m][n] += Σ_j A.s8[m][4k+j]·B.s8[k][4n+j]).
 struct AmxEmu {
+  static constexpr bool kFlushDenormals = false;
   static inline thread_local uint8_t reg[8][16][64];
   static void config(const TileConfig*) { std::memset(reg, 0, sizeof(reg)); }
   static void release() {}
@@ -125,6 +128,52 @@ struct AmxEmu {
   }
 };
 
+// The same tile machine on AVX-512 registers and dot-product instructions (the prefill GEMM of CPUs
+// with AVX512-VNNI / AVX512-BF16 but no AMX): each tile is memory, and one tile product is, per row m
+// of C, 16 dot-product instructions against the 16 rows of B held in registers, the 4 bytes of A at
+// each K position broadcast: lane n of row m accumulates Σ_j A[m][4k+j]·B[k][4n+j], TDPBSSD's and
+// TDPBF16PS's definition. INT8 runs vpdpbusd, unsigned × signed: A holds the activations + 128 and
+// gemm_tiles subtracts 128·Σ_k W[n, k] (WeightView::wsum) from each sum. Defined twice: on the
+// instructions (a function-level target) and on their C++ models (dot.h, run with MXCSR.DAZ|FTZ).
+#define MOETUNE_DOT_TILES(NAME, VATTR, BATTR, PV, PB, FLUSH)                                         \
+  struct NAME {                                                                                      \
+    static constexpr bool kFlushDenormals = FLUSH;                                                  \
+    alignas(64) static inline thread_local uint8_t reg[8][16][64];                                   \
+    static void config(const TileConfig*) { std::memset(reg, 0, sizeof(reg)); }                     \
+    static void release() {}                                                                         \
+    template <int T> static void zero() { std::memset(reg[T], 0, sizeof(reg[T])); }                  \
+    template <int T> static void load(const void* p, int64_t stride) {                               \
+      for (int r = 0; r < 16; ++r) std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64); \
+    }                                                                                                \
+    template <int T> static void store(void* p, int64_t stride) {                                    \
+      for (int r = 0; r < 16; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64); \
+    }                                                                                                \
+    static int32_t a32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }            \
+    template <int C, int A, int B> VATTR static void dp_int8() {                                     \
+      __m512i b[16];                                                                                 \
+      for (int k = 0; k < 16; ++k) b[k] = _mm512_load_si512((const void*)reg[B][k]);                \
+      for (int m = 0; m < 16; ++m) {                                                                 \
+        __m512i c = _mm512_load_si512((const void*)reg[C][m]);                                       \
+        _Pragma("GCC unroll 16") for (int k = 0; k < 16; ++k)                                        \
+          c = PV::dpbusd(c, _mm512_set1_epi32(a32(&reg[A][m][4 * k])), b[k]);                        \
+        _mm512_store_si512((void*)reg[C][m], c);                                                     \
+      }                                                                                              \
+    }                                                                                                \
+    template <int C, int A, int B> BATTR static void dp_bf16() {                                     \
+      __m512i b[16];                                                                                 \
+      for (int k = 0; k < 16; ++k) b[k] = _mm512_load_si512((const void*)reg[B][k]);                \
+      for (int m = 0; m < 16; ++m) {                                                                 \
+        __m512 c = _mm512_load_ps((const float*)reg[C][m]);                                          \
+        _Pragma("GCC unroll 16") for (int k = 0; k < 16; ++k)                                        \
+          c = PB::dpbf16(c, _mm512_set1_epi32(a32(&reg[A][m][4 * k])), b[k]);                        \
+        _mm512_store_ps((float*)reg[C][m], c);                                                       \
+      }                                                                                              \
+    }                                                                                                \
+  };
+MOETUNE_DOT_TILES(DotTilesHw, MOETUNE_TARGET_VNNI, MOETUNE_TARGET_BF16, VnniHw, Bf16Hw, false)
+MOETUNE_DOT_TILES(DotTilesModel, , , VnniModel, Bf16Model, true)
+#undef MOETUNE_DOT_TILES
+
 // Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
 // B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
 // at byte offset 64·kt + 4·kk of that row (zeros past N or past the row's data).
@@ -149,12 +198,15 @@ void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes,
     }
 }
 
+// comp: nullptr, or INT8 on unsigned A (A + 128): the per-row Σ_k W[n, k], 128 of which come off each sum
 template <class T, bool Int8>
 void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView& W, int64_t data_bytes,
-                float* out, int64_t M) {
+                float* out, int64_t M, const int32_t* comp) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
 #pragma omp parallel
   {
+    const unsigned csr = _mm_getcsr();
+    if (T::kFlushDenormals) _mm_setcsr(csr | 0x8040u);
     std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
     uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
     alignas(64) int32_t c[4][16 * 16];
@@ -199,7 +251,8 @@ void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView
               const int64_t n = nb * 32 + 16 * (q % 2) + j;
               if (n >= N) break;
               float v;
-              if constexpr (Int8) v = (float)c[q][i * 16 + j];
+              if constexpr (Int8) v = (float)(comp ? (int32_t)((uint32_t)c[q][i * 16 + j] - 128u * (uint32_t)comp[n])
+                                                   : c[q][i * 16 + j]);
               else std::memcpy(&v, &c[q][i * 16 + j], 4);
               out[m * N + n] = v;
             }
@@ -208,6 +261,7 @@ void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView
       }
     }
     T::release();
+    if (T::kFlushDenormals) _mm_setcsr(csr);
   }
 }
 
@@ -231,16 +285,24 @@ const std::string& amx_unavailable() {
 bool amx_usable(int fmt) { return (fmt == kBF16 || fmt == kInt8) && (usable_features() & kFeatAmx); }
 
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
-// the integer sums, the caller applies the scales), on the AMX tiles or their emulation.
-at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) {
-  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "AMX GEMM: BF16 or INT8 weights only");
-  TORCH_CHECK(emulate || amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
-  TORCH_CHECK(emulate || (usable_features() & kFeatAmx), "AMX GEMM: AMX is masked off (set_feature_mask)");
-  const bool int8 = W.fmt == kInt8;
+// the integer sums, the caller applies the scales), on one tile engine: the AMX tiles or their
+// emulation, or the AVX-512 dot-product tiles (DotTilesHw / DotTilesModel; INT8 needs W.wsum).
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine) {
+  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "tile GEMM: BF16 or INT8 weights only");
+  const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
+  if (engine == kTilesAmx) {
+    TORCH_CHECK(amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: AMX is masked off (set_feature_mask)");
+  }
+  if (engine == kTilesDot)
+    TORCH_CHECK(usable_features() & (int8 ? kFeatVnni : kFeatBf16), "tile GEMM: this CPU has no ",
+                int8 ? "AVX512-VNNI" : "AVX512-BF16", " (or it is masked off)");
+  TORCH_CHECK(!(dot && int8) || W.wsum, "tile GEMM: INT8 on vpdpbusd needs the weight's row sums");
   const int64_t M = x_act.size(0), K = W.K, esz = int8 ? 1 : 2;
   const int64_t kbytes = ((K * esz + 63) / 64) * 64, mpad = ((M + 31) / 32) * 32;
   at::Tensor x = x_act.contiguous();
-  // A: rows of kbytes bytes, zero-padded (bf16: round to nearest even, as torch's conversion)
+  // A: rows of kbytes bytes, zero-padded (bf16: round to nearest even, as torch's conversion;
+  // INT8 on vpdpbusd: + 128, unsigned)
   at::Tensor abuf = at::zeros({mpad * kbytes}, at::kByte);
   uint8_t* a = abuf.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
@@ -249,7 +311,7 @@ at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) 
       for (int64_t k = 0; k < K; ++k) {
         const float v = xs[m * K + k];
         if (int8) {
-          a[m * kbytes + k] = (uint8_t)(int8_t)v;
+          a[m * kbytes + k] = dot ? (uint8_t)((int)v + 128) : (uint8_t)(int8_t)v;
         } else {
           const uint16_t h = c10::BFloat16(v).x;
           std::memcpy(a + m * kbytes + 2 * k, &h, 2);
@@ -258,14 +320,32 @@ at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) 
   });
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   const int64_t data_bytes = K * esz;
-  if (emulate) {
-    int8 ? gemm_tiles<AmxEmu, true>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M)
-         : gemm_tiles<AmxEmu, false>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M);
-  } else {
-    int8 ? gemm_tiles<AmxHw, true>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M)
-         : gemm_tiles<AmxHw, false>(a, mpad, kbytes, W, data_bytes, out.data_ptr<float>(), M);
+  float* o = out.data_ptr<float>();
+  const int32_t* comp = dot && int8 ? W.wsum : nullptr;
+  switch (engine) {
+    case kTilesAmx:
+      int8 ? gemm_tiles<AmxHw, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<AmxHw, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      break;
+    case kTilesAmxModel:
+      int8 ? gemm_tiles<AmxEmu, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<AmxEmu, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      break;
+    case kTilesDot:
+      int8 ? gemm_tiles<DotTilesHw, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<DotTilesHw, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      break;
+    case kTilesDotModel:
+      int8 ? gemm_tiles<DotTilesModel, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<DotTilesModel, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      break;
+    default: TORCH_CHECK(false, "tile GEMM: unknown engine ", engine);
   }
   return out;
+}
+
+at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) {
+  return gemm_tiles_run(x_act, W, emulate ? kTilesAmxModel : kTilesAmx);
 }
 
 std::string amx_status() { return amx_unavailable(); }
@@ -311,6 +391,28 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
   W.K = K;
   W.row_bytes = K * (fmt == kInt8 ? 1 : 2);
   return gemm_amx(x_act, W, emulate);
+}
+
+// The same on any tile engine (TileEngine); INT8 row sums computed here for the dot-product tiles.
+at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                           int64_t engine) {
+  TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
+  WeightView W;
+  W.fmt = (int)fmt;
+  W.w = (const uint8_t*)w.data_ptr();
+  W.N = N;
+  W.K = K;
+  W.row_bytes = K * (fmt == kInt8 ? 1 : 2);
+  std::vector<int32_t> sums;
+  if (fmt == kInt8) {
+    sums.assign(N, 0);
+    const int8_t* p = (const int8_t*)W.w;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) sums[n] += p[n * K + k];
+    W.wsum = sums.data();
+  }
+  return gemm_tiles_run(x_act, W, (int)engine);
 }
 
 }  // namespace moetune

@@ -25,6 +25,8 @@ double read_seconds_method(const at::Tensor& buf, int64_t streams, int64_t lines
 double vnni_int8_gops(int64_t iters);
 double bf16_dot_gflops(int64_t iters);
 double amx_peak_gops(int64_t iters, bool int8);
+at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                           int64_t engine);
 }  // namespace moetune
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -42,6 +44,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Bf16Isa>(m, "Bf16Isa")
       .value("auto", moetune::kBf16IsaAuto).value("avx512", moetune::kBf16IsaAvx512)
       .value("avx512bf16", moetune::kBf16IsaDot);
+  py::enum_<moetune::Bf16Gemm>(m, "Bf16Gemm")
+      .value("auto", moetune::kBf16GemmAuto).value("unpack", moetune::kBf16GemmUnpack)
+      .value("onednn", moetune::kBf16GemmOnednn).value("avx512bf16", moetune::kBf16GemmDot);
+  py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
+      .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
+      .value("vnni", moetune::kInt8GemmVnni);
   py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)
@@ -56,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
+      .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)
+      .def_readwrite("int8_gemm", &Knobs::int8_gemm)
       .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)
       .def_readwrite("attn_kv_splits", &Knobs::attn_kv_splits)
       .def_readwrite("attn_decode_kv_block", &Knobs::attn_decode_kv_block)
@@ -93,5 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_status", &moetune::amx_status, "why AMX tiles cannot run here; empty when they can");
   m.def("amx_linear_raw", &moetune::amx_linear_raw,
         "x_act float32 [M, K] · w[N, K]ᵀ (bf16 or int8 bytes) on AMX tiles, or their C++ emulation; raw products");
+  m.def("tile_linear_raw", &moetune::tile_linear_raw,
+        "amx_linear_raw on a tile engine: 0 AMX, 1 its model, 2 AVX-512 dot-product tiles, 3 their model");
   m.def("huge_empty", &moetune::huge_empty, "uninitialized uint8 [nbytes], 2 MiB aligned, advised for huge pages");
 }

@@ -27,6 +27,12 @@ enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
 enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
+// cpu_bf16_gemm: BF16 weights on the GEMM path (many tokens): our unpack + BLAS / AMX tiles, or torch's
+// bf16 linear (oneDNN); auto: oneDNN where the CPU has AVX512-BF16 or AMX and the activations are bf16.
+// avx512bf16: our tile GEMM on vdpbf16ps (amx.cpp's DotTiles).
+enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3 };
+// cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS (or AMX), or our tile GEMM on vpdpbusd.
+enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2 };
 
 // The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
 // features under the mask, and the emulated features).
@@ -49,6 +55,7 @@ struct WeightView {
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
+  bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
   void no_micro_forms() { int4_int = int4_i8 = fp8_widen = false; dot = kDotNone; }
 };
@@ -69,6 +76,8 @@ struct Knobs {
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
+  Bf16Gemm bf16_gemm = (Bf16Gemm)-1;
+  Int8Gemm int8_gemm = (Int8Gemm)-1;
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   void check() const;  // every field set and in range (matmul.cpp)

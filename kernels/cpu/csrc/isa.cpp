@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn"};
 }  // namespace
 
 unsigned detected_features() {
@@ -51,6 +51,20 @@ int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs
     return pick(kFeatBf16, kDotBf16, kDotBf16Model);
   }
   return kDotNone;
+}
+
+bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
+  if (kn.bf16_gemm != kBf16GemmAuto) return kn.bf16_gemm == kBf16GemmOnednn;
+  return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
+}
+
+int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
+  const unsigned have = usable_features(), emu = emulated_features();
+  unsigned feat = 0;
+  if (W.fmt == kInt8 && W.wsum && kn.int8_gemm == kInt8GemmVnni) feat = kFeatVnni;
+  if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
+  if (!feat) return -1;
+  return (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
 }
 
 void reset_used() { t_used = 0; }

@@ -1,6 +1,7 @@
 // Linear layers: activation preparation, the direct (microkernel) path and the unpack + BLAS path.
 #include <omp.h>
 #include <cmath>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include "ops.h"
 
@@ -77,6 +78,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
       v.zero = zero.data_ptr<float>();
     }
   }
+  v.act_bf16 = act_bf16;
   v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
@@ -92,8 +94,9 @@ void Knobs::check() const {
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens must be ≥ 1");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
-                  bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot,
-              "fp8_method, int4_method, int8_isa and bf16_isa must be set");
+                  bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
+                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni,
+              "fp8_method, int4_method, int8_isa, bf16_isa, bf16_gemm and int8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -374,9 +377,20 @@ void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
 }
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
+  if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
+    note_used(kUsedOnednn);
+    const at::Tensor w = at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
+    return at::linear(x_act.to(at::kBFloat16), w).to(at::kFloat);
+  }
   if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) {
     note_used(kUsedAmx);
     return gemm_amx(x_act, W, false);
+  }
+  const int engine = gemm_dot_engine(W, kn);
+  if (engine >= 0) {
+    const bool model = engine == kTilesDotModel;
+    note_used(W.fmt == kInt8 ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
+    return gemm_tiles_run(x_act, W, engine);
   }
   note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;

@@ -43,9 +43,11 @@ int64_t feature_mask();
 void set_emulated_features(int64_t mask);
 // The Dot variant of a weight's microkernels for these knobs on this (masked) CPU.
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16);
+// Whether a BF16 weight's GEMM path calls torch's bf16 linear (oneDNN) for these knobs here.
+bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
-                       kUsedAmx = 32, kUsedBlas = 64 };
+                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128 };
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
@@ -77,6 +79,12 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
 const std::string& amx_unavailable();
 bool amx_usable(int fmt);
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
+// The tile GEMM on one engine: AMX, its C++ model, or AVX-512 dot-product tiles (VNNI / AVX512-BF16)
+// or their C++ model (amx.cpp).
+enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3 };
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
+// The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none).
+int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
 inline int64_t gemm_from(int fmt, const Knobs& kn) {  // AMX: under the feature mask too
   return amx_usable(fmt) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
