@@ -95,7 +95,8 @@ def make_knobs(values: dict | None = None) -> "_ext.Knobs":
         try:
             setattr(kn, name[len("cpu_"):], _CONVERT[name](merged[name]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{name}: {merged[name]!r} is not one of {list(_DECLARED[name].choices or [])}") from e
+            want = f"one of {list(_DECLARED[name].choices)}" if _DECLARED[name].choices else "an integer"
+            raise ValueError(f"{name}: {merged[name]!r} is not {want}") from e
     return kn
 
 
