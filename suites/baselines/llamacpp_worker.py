@@ -47,7 +47,8 @@ def load(path: str, threads: int, n_ctx: int = 4096, n_batch: int = 512) -> dict
 
     before = _rss_bytes()
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                          n_threads_batch=threads, verbose=False, logits_all=False, use_mmap=False)
+                          n_threads_batch=threads, verbose=False, logits_all=False, use_mmap=False,
+                          no_perf=False)
     _state["llm"] = llm
     _state["threads"] = threads
     return {"rss_before": before, "rss_after": _rss_bytes(),
@@ -136,6 +137,7 @@ def _batch_context(n_seq: int, n_ctx: int, n_batch: int):
         p = llama_cpp.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, n_seq
         p.n_threads = p.n_threads_batch = _state["threads"]
+        p.no_perf = False  # llama.cpp's own timers (llama_perf_context) time the runs
         ctx = llama_cpp.llama_init_from_model(_llm().model, p)
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences of {n_ctx} tokens")
