@@ -96,9 +96,16 @@ def objective_from_args(args, fmt: str = ""):
                            latency_limit_s=args.latency_limit, format=fmt)
 
 
+def study_name(obj, mkey: str, hw: str) -> str:
+    """Objective, model, machine and the mix, e.g. system-tpot-<model>-<hw>-p128d16+p1024d16+b4p128d16."""
+    from tuner.objectives import mix_slug
+
+    return f"{obj.name}-{mkey}-{hw}-{mix_slug(obj.mix)}"
+
+
 def _system(args, cfg, t0: float) -> int:
     from tuner.fingerprint import fingerprint
-    from tuner.objectives import mix_slug, shared_weights
+    from tuner.objectives import shared_weights
     from tuner.profile import find_profile
     from tuner.search import Tuner
     from tuner.space import SearchSpace
@@ -109,7 +116,7 @@ def _system(args, cfg, t0: float) -> int:
     prior = find_profile(mkey)
     space = SearchSpace.from_catalogue(workload=obj.provides)
     hw = fingerprint()["hardware_key"]
-    name = args.study or f"{obj.name}-{mkey}-{hw}-{mix_slug(obj.mix)}"
+    name = args.study or study_name(obj, mkey, hw)
     with shared_weights():
         tuner = Tuner(space, obj, cfg, args.storage, name, prior=prior.knobs if prior else None)
         if cfg.time_budget_s is not None:
@@ -279,6 +286,8 @@ def _postfix(tuner, frozen) -> str:
         return text + f", {len(done)} complete"
     m = metrics[0]
     best = min(done, key=lambda t: t.value) if m.direction == "minimize" else max(done, key=lambda t: t.value)
+    if tuner.relative:  # values are ratios to the latest measurement of the defaults
+        return text + f", best {best.value:.3f}× the defaults' {m.name} (trial {best.number})"
     base = next((t for t in done if t.user_attrs.get("seed") == "defaults"), None)
     gain = f", gain {m.gain(best.value, base.value):+.1%}" if base else ""
     return text + f", best {m.name}={best.value:.4g} (trial {best.number}){gain}"
