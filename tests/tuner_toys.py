@@ -149,12 +149,12 @@ class DriftingToy(ToyObjective):
         return run
 
 
-def sleeping_tiny_objective(base_s: float = 0.1):
+def sleeping_tiny_objective(base_s: float = 0.15):
     """The default (tpot) objective on `tiny` with a short and a long point, and two planted toy
-    knobs (TOY_MIX_CATALOGUE) acting through a sleep of `base_s` (≫ a tiny step, 5-60 ms on a
-    loaded 2-core machine) in every engine step: `reverse` makes short contexts' sleep 10× shorter
-    and long ones' 3× longer (its best value depends on the context); `uniform` makes every sleep
-    0.7× as long. The engine's answers are untouched."""
+    knobs (TOY_MIX_CATALOGUE) acting through a sleep of `base_s` in every engine step (a tiny step
+    takes 5-60 ms on a loaded 2-core machine, with bursts of +60 ms): `reverse` makes short
+    contexts' sleep 10× shorter and long ones' 5× longer (its best value depends on the context);
+    `uniform` makes every sleep 0.4× as long. The engine's answers are untouched."""
     import time
 
     from tuner.objectives import Point, SystemObjective
@@ -168,8 +168,8 @@ def sleeping_tiny_objective(base_s: float = 0.1):
             def slowed(reqs, new_tokens):
                 out = step(reqs, new_tokens)
                 long = max(r.seq.num_tokens for r in reqs) > 256
-                f = (3.0 if long else 0.1) if toy["reverse"] else 1.0
-                time.sleep(base_s * f * (0.7 if toy["uniform"] else 1.0))
+                f = (5.0 if long else 0.1) if toy["reverse"] else 1.0
+                time.sleep(base_s * f * (0.4 if toy["uniform"] else 1.0))
                 return out
 
             llm._step = slowed

@@ -21,8 +21,8 @@ zero across the spread (p10 of the paired gains > 0).
 Workload mixes. An objective may measure several points (`points`: labels such as `prompt 128/16`,
 `batch 4 × 128/16`); its runner then returns one sample per (metric, point) under
 `sample_key(metric, point)`. The confirmation keeps a candidate only if, besides winning overall,
-it is not slower than the defaults beyond the spread at ANY point (p90 of the paired gains at each
-point ≥ 0).
+it is not slower than the defaults beyond the spread at ANY point (`slower_at`: the upper quartile
+of the paired gains at a point below zero rejects it).
 
 Drift is measured, not learned (relative scoring: on when `defaults_every` is set or the objective
 has several points). The defaults are measured at the start of each run and again after every
@@ -308,7 +308,7 @@ class Tuner:
     def ratios(self, samples: dict[str, list[float]], i: int | None = None) -> dict[str, float]:
         """Each sample key's median (or its i-th sample) over the baseline's median."""
         return {key: (statistics.median(samples[key]) if i is None else samples[key][i]) / self.baseline[key]
-                for _, _, key in self.keys if self.baseline.get(key)}
+                if self.baseline.get(key) else math.nan for _, _, key in self.keys}
 
     def score(self, samples: dict[str, list[float]], i: int | None = None) -> list[float]:
         """The trial's value per metric: relative, the geometric mean of its ratios over the points;
@@ -505,13 +505,23 @@ class Tuner:
                 rounds = min(len(r) for r in ratios)
                 c.gains[m.name] = [m.gain(_geomean(r[i] for r in ratios), 1.0) for i in range(rounds)]
 
+    @staticmethod
+    def slower_at(c: Candidate, key: str) -> bool:
+        """Slower than the defaults at this point beyond the spread: the upper quartile of the
+        paired gains is below zero (slower in most rounds; stricter than p90 < 0, and unlike the
+        p90 of a few rounds, one round that a burst of load slowed for the defaults cannot hide it)."""
+        import numpy as np
+
+        g = c.gains.get(key, [])
+        return bool(g) and not float(np.percentile(g, 75)) >= 0
+
     def _pick(self, cands: list[Candidate]) -> Candidate | None:
         """The candidate with the largest median gain among those winning beyond the spread and
         slower than the defaults beyond the spread at no point of the mix."""
         ok = []
         for c in cands:
             g = [c.gain(m.name) for m in self.obj.metrics]
-            slower = [key for _, _, key in self.keys if not c.gain(key)["high"] >= 0]
+            slower = [key for _, _, key in self.keys if self.slower_at(c, key)]
             if slower:
                 c.note = f"slower than the defaults beyond the spread at {', '.join(slower)}"
                 continue
