@@ -35,11 +35,15 @@ Stored for the report:
     trial user attrs "raw" {sample key: median}, "baseline" (the defaults measurement's attr key),
                      "ratios" {sample key: median / the defaults' median}
     result store     suite "autotune-defaults": one row per (metric, point) per defaults
-                     measurement (trial empty, extra.after_trials, extra.baseline); suite
-                     "autotune": per trial one row per (metric, point) (extra.point, extra.baseline)
-                     and, when relative, one row per metric named "<metric>/defaults" (unit
-                     "ratio", one sample per repeat: the geometric mean over the points of that
-                     repeat's ratios) first.
+                     measurement (trial empty, extra.after_trials, extra.baseline);
+                     suite "autotune": per trial one row per metric named "<metric>/defaults"
+                     (unit "ratio", one sample per repeat: the geometric mean over the points of
+                     that repeat's ratios; what the search saw, drift taken out);
+                     suite "autotune-points": per trial one row per (metric, point), raw
+                     (workload: the point; extra.point, extra.baseline);
+                     suite "autotune-confirm": per candidate one row per (metric, point).
+    Without relative scoring (one point, no `defaults_every`) the "autotune" rows are the raw
+    metrics, as before.
 """
 from __future__ import annotations
 
@@ -413,7 +417,9 @@ class Tuner:
                 **({"baseline": self.baseline_key} if self.relative and number is not None else {}),
                 **(extra or {})}
         rows = []
-        if self.relative and (suite or self.suite) == self.suite:  # the scores, first
+        points_suite = None
+        if self.relative and (suite or self.suite) == self.suite:  # the scores; the points beside them
+            points_suite = f"{self.suite}-points"
             n = min((len(samples.get(key, [])) for _, _, key in self.keys), default=0)
             per_repeat = [self.score(samples, i) for i in range(n)] if self.baseline else []
             rows += [{**base, "metric": f"{m.name}/defaults", "unit": "ratio", "direction": m.direction,
@@ -421,7 +427,7 @@ class Tuner:
                       "extra": {**more, "points": list(self.points)}}
                      for j, m in enumerate(self.obj.metrics)]
         rows += [{**base, "metric": m.name, "unit": m.unit, "direction": m.direction,
-                  "samples": samples.get(key, []),
+                  "samples": samples.get(key, []), **({"suite": points_suite} if points_suite else {}),
                   "workload": getattr(self.obj, "workload_of", lambda _: self.obj.workload)(p) if p
                   else self.obj.workload,
                   "extra": {**more, **({"point": p} if p else {})}}
