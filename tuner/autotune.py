@@ -177,7 +177,6 @@ def write_profile(result, tuner, mkey: str, prior):
     """The profile for (this machine, model): the kept knobs that differ from the defaults, gains
     with spreads; the kernel tables of an earlier profile are kept."""
     from tuner.profile import Profile, profile_path, save_profile
-
     from tuner.search import sample_key
 
     win = result.winner
