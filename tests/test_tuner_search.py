@@ -194,7 +194,7 @@ def test_a_knob_whose_effect_reverses_with_context_is_not_kept(tmp_path):
     space = SearchSpace.from_catalogue(catalogue=TOY_MIX_CATALOGUE, limits={}, exclude_components=(),
                                        workload=obj.provides)
     assert sorted(space.names) == ["reverse", "uniform"]  # the mix spans the contexts `reverse` needs
-    cfg = TuneConfig(trials=5, repeats=2, warmup=1, seed=0, confirm_rounds=5, defaults_every=2)
+    cfg = TuneConfig(trials=5, repeats=2, warmup=1, seed=0, confirm_rounds=5, defaults_every=2, prune_factor=100)
     with shared_weights():
         tuner = Tuner(space, obj, cfg, storage(tmp_path), "reverse", prior={"uniform": True, "reverse": False})
         for knobs in ({"reverse": True, "uniform": True}, {"reverse": True, "uniform": False}):
