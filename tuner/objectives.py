@@ -11,9 +11,10 @@ The workload is a mix of points, each named as people say it: `prompt 128/16` (o
 a runner measures every point once and returns one sample per (metric, point); the search scores
 a trial by the geometric mean over the points of its ratio to the defaults (tuner/search.py), and
 the confirmation keeps a profile only if it is not slower than the defaults beyond the spread at
-any point. DEFAULT_MIX: the contexts serving sees, sized for a 10-minute run on 2 cores
-(`small`: a 1K-token prompt prefills in about 4 s there, a 2K one in about 9 s); the throughput
-objective measures one point, `batch B × P/D`.
+any point. DEFAULT_MIX: the contexts serving sees, sized for a 10-minute run on 2 cores (`small`:
+a 2K-token prompt took about 9 s to prefill on such a machine, issue 13, so its mix stops at 1K;
+estimated 8 s a call, so about ten trials in 10 minutes); the throughput objective measures one
+point, `batch B × P/D`.
 
 `provides` tells the search space what the mix can observe (knobspec.Provides): knobs it cannot
 observe are neither searched nor written (serving limits only under `throughput`, which measures
@@ -76,7 +77,7 @@ class Point:
 DEFAULT_MIX = {
     # tiny runs a 2K prompt in 0.1 s: the mix spans the contexts MLA's form depends on
     "tiny": (Point(128, 16), Point(2032, 16), Point(128, 16, 4)),
-    # small on 2 cores: about 8 s a call (prefill ≈ 4.4 ms per prompt token)
+    # small on 2 cores: about 8 s a call, estimated from a 2K prefill's 9 s (not measured here)
     "small": (Point(128, 16), Point(1024, 16), Point(128, 16, 4)),
 }
 
