@@ -13,7 +13,7 @@ a trial by the geometric mean over the points of its ratio to the defaults (tune
 the confirmation keeps a profile only if it is not slower than the defaults beyond the spread at
 any point. DEFAULT_MIX: the contexts serving sees, sized for a 10-minute run on 2 cores (`small`:
 a 2K-token prompt took about 9 s to prefill on such a machine, issue 13, so its mix stops at 1K;
-estimated 8 s a call, so about ten trials in 10 minutes); the throughput objective measures one
+estimated 8 s a call, so under ten trials in 10 minutes); the throughput objective measures one
 point, `batch B × P/D`.
 
 `provides` tells the search space what the mix can observe (knobspec.Provides): knobs it cannot
