@@ -16,7 +16,8 @@ from typing import Any
 from engine.errors import MoetuneError
 from kernels.cpu_knobs import CPU_KNOBS
 from kernels.cuda_knobs import CUDA_KNOBS
-from kernels.knobspec import AtMost, Divides, Knob, ProductAtMost  # noqa: F401 - re-exported
+from kernels.knobspec import (AtMost, CappedBy, Divides, Knob, ProductAtMost, Provides,  # noqa: F401 - re-exported
+                              SpansContexts)
 
 ENGINE_KNOBS: tuple[Knob, ...] = (
     Knob("threads", int, "auto", "engine", "intra-op threads (auto: the usable cores)",
@@ -34,17 +35,19 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
          low=1, high=1024, log=True, pow2=True),
     Knob("max_total_tokens", int, 16384, "engine/scheduler",
          "KV-cache capacity in tokens, all sequences together", low=64, high=1 << 22, log=True,
-         tune=False),
+         tune=False, observed_by=(CappedBy("kv_tokens"),), serving_limit=True),
     Knob("mla_absorb", str, "decode", "engine/models",
          "where MLA uses the weight-absorbed form (else the naive form that expands the latent)",
-         choices=("decode", "always", "never")),
+         choices=("decode", "always", "never"), observed_by=(SpansContexts(512, 2048),)),
     Knob("chunked_prefill_size", int, 512, "engine/scheduler",
          "most prompt tokens prefilled in one step (a longer prompt is split across steps)",
-         low=16, high=1 << 16, log=True),
+         low=16, high=1 << 16, log=True, observed_by=(CappedBy("prompt_tokens"),)),
     Knob("decode_batch_cap", int, 256, "engine/scheduler",
-         "most sequences decoded together in one step", low=1, high=4096, log=True),
+         "most sequences decoded together in one step", low=1, high=4096, log=True,
+         observed_by=(CappedBy("concurrency"),), serving_limit=True),
     Knob("max_running_requests", int, 256, "engine/scheduler",
-         "most requests holding KV cache at once (the rest wait)", low=1, high=4096, log=True),
+         "most requests holding KV cache at once (the rest wait)", low=1, high=4096, log=True,
+         observed_by=(CappedBy("concurrency"),), serving_limit=True),
     Knob("batch_invariant", bool, False, "engine",
          "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
          "sequence's result never depends on what it is batched with (slow; for reproducibility)",

@@ -49,14 +49,24 @@ def test_interrupt_resume_profile_report(tmp_path):
     assert p.returncode == 0, err[-2000:]
     assert finished(url, "cli") >= done + 3
     assert "defaults" in out and "gain" in out and "profile: " in out
+    assert "batch 4 × 128/16" in out and "prompt 2032/16" in out  # the gain table names the mix's points
+    assert "not tuned: max_running_requests (a serving limit" in out
     profile = next((tmp_path / "profiles").glob("*.toml"))
     meta = tomllib.loads(profile.read_text())["meta"]
     assert meta["study"] == "cli" and set(meta["gain"]) == {"tpot_s"} and len(meta["gain_spread"]["tpot_s"]) == 2
+    assert meta["workload"]["mix"] == ["prompt 128/16", "prompt 2032/16", "batch 4 × 128/16"]
+    assert {"max_running_requests", "decode_batch_cap"} <= set(meta["not_tuned"])
     from engine.knobs import CATALOGUE, resolve_knobs
 
     knobs, defaults = tomllib.loads(profile.read_text())["knobs"], resolve_knobs()
     assert set(knobs) <= set(CATALOGUE) and all(defaults[k] != v for k, v in knobs.items())
+    # only what the tiny mix observes; never a serving limit (a latency objective)
+    assert set(knobs) <= {"threads", "kv_block_size", "chunked_prefill_size", "mla_absorb"}
     assert bool(knobs) == meta["kept"]
+    if meta["kept"]:
+        assert set(meta["gain_by_point"]["tpot_s"]) == set(meta["workload"]["mix"])
+    study = optuna.load_study(study_name="cli", storage=url)
+    assert any(k.startswith("defaults:") for k in study.user_attrs)  # the defaults, re-measured
 
     p = moetune("results", "--suite", "autotune-confirm", env=env)
     out, _ = p.communicate(timeout=120)
@@ -64,6 +74,22 @@ def test_interrupt_resume_profile_report(tmp_path):
     p = moetune("report", "--out", str(tmp_path / "report"), env=env)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and (tmp_path / "report" / "study-cli.html").is_file()
+
+
+def test_study_name_records_the_mix():
+    from types import SimpleNamespace
+
+    from tuner.autotune import objective_from_args, study_name
+
+    args = SimpleNamespace(objective="tpot", model="small", dtype="bfloat16", mix=None, prompt_len=None,
+                           decode=None, batch=4, latency_limit=10.0)
+    obj = objective_from_args(args)
+    assert obj.points == ("prompt 128/16", "prompt 1024/16", "batch 4 × 128/16")
+    assert study_name(obj, "m", "hw") == "system-tpot-m-hw-p128d16+p1024d16+b4p128d16"
+    args.mix = "2x64/8"
+    assert study_name(objective_from_args(args), "m", "hw").endswith("-b2p64d8")
+    args.mix, args.objective, args.prompt_len = None, "throughput", 256
+    assert objective_from_args(args).points == ("batch 4 × 256/16",)
 
 
 def test_user_mistakes_are_one_line(tmp_path):

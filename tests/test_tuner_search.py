@@ -1,11 +1,14 @@
-"""The search: failures never chosen, pruning, confirmation against the defaults, resume."""
+"""The search: failures never chosen, pruning, confirmation against the defaults, resume; drift
+measured rather than learned; a mix's profile never slower at any point; the correctness gate;
+profiles hold only what the workload observed."""
 import optuna
 import pytest
 
 from results.store import read_results
 from tuner.kernel_tier import lookup, tune_op
 from tuner.search import Tuner, TuneConfig
-from tuner_toys import ToyObjective, ToyPareto, toy_kernel_op, toy_space
+from tuner_toys import (TOY_MIX_CATALOGUE, DriftingToy, ToyObjective, ToyPareto, sleeping_tiny_objective,
+                        toy_kernel_op, toy_space)
 
 
 @pytest.fixture(autouse=True)
@@ -151,3 +154,122 @@ def test_one_slow_sample_does_not_prune(tmp_path):
     tuner.run()
     states = [t.state for t in tuner.study.trials]
     assert optuna.trial.TrialState.PRUNED not in states and len(states) == 6
+
+
+def test_drift_is_measured_not_learned(tmp_path):
+    """The machine slows steadily through the study and the knob does nothing: the defaults are
+    re-measured between the trials, each trial is scored against the latest measurement, so the
+    scores stay flat while the raw times climb; the series is stored for the report."""
+    cfg = TuneConfig(trials=16, repeats=2, warmup=0, seed=0, defaults_every=3, prune_factor=100)
+    tuner = Tuner(toy_space(["threads"]), DriftingToy(), cfg, storage(tmp_path), "drift")
+    tuner.run()
+    series = sorted((v for k, v in tuner.study.user_attrs.items() if k.startswith("defaults:")),
+                    key=lambda v: v["time"])
+    assert len(series) >= 16 // 3 and [v["after_trials"] for v in series] == sorted(v["after_trials"] for v in series)
+    assert series[-1]["medians"]["time_s"] > series[0]["medians"]["time_s"] * 1.1  # the drift, measured
+    done = [t for t in tuner.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    raw = [t.user_attrs["raw"]["time_s"] for t in done]
+    assert max(raw) > 1.1 * min(raw)
+    assert all(0.95 < t.value < 1.05 for t in done)  # scored against the nearest defaults: no signal
+    assert all(t.user_attrs["baseline"] in tuner.study.user_attrs for t in done)
+    rows = read_results(suite="autotune-defaults", study="drift")
+    assert len(rows) == len(series) and rows["extra"].str.contains("after_trials").all()
+    scores = read_results(suite="autotune", study="drift")
+    assert len(scores) == len(tuner.study.trials) and (scores["unit"] == "ratio").all()
+    assert set(scores["metric"]) == {"time_s/defaults"}
+    raw_rows = read_results(suite="autotune-points", study="drift", status="ok")
+    assert sorted(raw_rows["median"]) == sorted(raw)
+
+
+def test_a_knob_whose_effect_reverses_with_context_is_not_kept(tmp_path):
+    """The default objective (tpot) on tiny over a short and a long point: `reverse` with `uniform`
+    (planted: 0.04× the defaults' sleep short, 2× long, 0.28× overall) wins overall, but the
+    confirmation finds it slower than the defaults at the long point and keeps `uniform` alone
+    (0.4× everywhere). The planted effects are sleeps of 0.15 s a step, so the decisions asserted
+    (a 2× loss, a 2.5× gain) stand above a loaded machine's noise."""
+    from tuner.objectives import shared_weights
+    from tuner.space import SearchSpace
+
+    obj = sleeping_tiny_objective()
+    space = SearchSpace.from_catalogue(catalogue=TOY_MIX_CATALOGUE, limits={}, exclude_components=(),
+                                       workload=obj.provides)
+    assert sorted(space.names) == ["reverse", "uniform"]  # the mix spans the contexts `reverse` needs
+    cfg = TuneConfig(trials=5, repeats=2, warmup=1, seed=0, confirm_rounds=5, defaults_every=2, prune_factor=100)
+    with shared_weights():
+        tuner = Tuner(space, obj, cfg, storage(tmp_path), "reverse", prior={"uniform": True, "reverse": False})
+        for knobs in ({"reverse": True, "uniform": True}, {"reverse": True, "uniform": False}):
+            tuner.study.enqueue_trial(knobs)
+        result = tuner.run()
+    both = next(c for c in result.candidates if c.knobs == {"reverse": True, "uniform": True})
+    assert both.gain("tpot_s")["median"] > 0  # overall (geometric mean over the mix) it is faster
+    assert "slower than the defaults beyond the spread at tpot_s @ prompt 512/4" in both.note, both.gains
+    assert result.kept and result.knobs == {"reverse": False, "uniform": True}
+    for p in obj.points:  # never slower at any point of the mix
+        assert result.winner.gain(f"tpot_s @ {p}")["median"] > 0 and not Tuner.slower_at(result.winner, f"tpot_s @ {p}")
+
+
+def test_the_gate_fails_a_planted_wrong_configuration(tmp_path):
+    """kv_block_size=8 shifts every logit of the tiny engine: recorded as a wrong trial, never a candidate."""
+    from test_tuner_objectives import Planted
+
+    from tuner.objectives import Point, shared_weights
+    from tuner.space import SearchSpace
+
+    obj = Planted("tpot", "tiny", "float32", mix=(Point(8, 3),))
+    obj.shift = 1.0
+    space = SearchSpace.from_catalogue(["kv_block_size"], limits={"cores": 2, "ranks": 1}, workload=obj.provides)
+    cfg = TuneConfig(trials=4, repeats=1, warmup=0, seed=0, confirm_rounds=2)
+    with shared_weights():
+        tuner = Tuner(space, obj, cfg, storage(tmp_path), "gate", prior={"kv_block_size": 8})
+        result = tuner.run()
+    wrong = [t for t in tuner.study.trials if t.user_attrs.get("status") == "wrong"]
+    assert [t.user_attrs["knobs"]["kv_block_size"] for t in wrong] == [8] * len(wrong) and wrong
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in wrong)
+    assert "logits differ" in wrong[0].user_attrs["error"]
+    assert all(c.knobs["kv_block_size"] != 8 for c in result.candidates)
+    df = read_results(suite="autotune", study="gate", status="wrong")
+    assert len(df) and (df["knob.kv_block_size"] == 8).all()
+
+
+def test_profile_holds_only_observed_knobs_and_never_lowers_serving_limits(tmp_path):
+    """Tuned on the old default workload (one request, 8-token prompt), the search samples only
+    the knobs that workload observes; a kept set is written without any other knob, and a serving
+    limit below its default is written only for an objective that measures concurrency."""
+    from types import SimpleNamespace
+
+    from engine.knobs import resolve_knobs
+    from tuner.autotune import profile_knobs
+    from tuner.search import _defaults
+    from tuner.objectives import Point, SystemObjective, shared_weights
+    from tuner.space import SearchSpace
+
+    obj = SystemObjective("tpot", "tiny", "float32", mix=(Point(8, 4),))
+    space = SearchSpace.from_catalogue(limits={"cores": 2, "ranks": 1}, workload=obj.provides)
+    with shared_weights():
+        tuner = Tuner(space, obj, TuneConfig(trials=4, repeats=1, warmup=0, seed=0, confirm_rounds=2),
+                      storage(tmp_path), "observed", prior={"max_running_requests": 5, "chunked_prefill_size": 703})
+        result = tuner.run()
+    for t in tuner.study.trials:
+        assert set(t.user_attrs["knobs"]) == {"threads", "kv_block_size"}
+    planted = {**resolve_knobs(), "threads": 1, "kv_block_size": 16, "max_running_requests": 5,
+               "decode_batch_cap": 365, "chunked_prefill_size": 703, "mla_absorb": "never"}
+    written = profile_knobs({**result.knobs, **planted}, tuner)
+    assert set(written) <= {"threads", "kv_block_size"} and written.get("kv_block_size") == 16
+    thr = SystemObjective("throughput", "tiny", "float32", batch=8)
+    tspace = SearchSpace.from_catalogue(limits={"cores": 2, "ranks": 1}, workload=thr.provides)
+    fake = SimpleNamespace(obj=thr, space=tspace, defaults=_defaults(tspace))  # the caps clipped at the batch, 8
+    # a value at the cap behaves as the default (no cap reached): not written
+    assert profile_knobs({"max_running_requests": 4, "decode_batch_cap": 8}, fake) == {"max_running_requests": 4}
+    lat = SimpleNamespace(obj=SystemObjective("tpot", "tiny", "float32", mix=(Point(8, 4, 8),)), space=tspace,
+                          defaults=fake.defaults)
+    assert profile_knobs({"max_running_requests": 4}, lat) == {}  # a latency objective never lowers it
+
+
+def test_one_outlying_round_does_not_hide_a_loss_at_a_point():
+    """Per point, a candidate is slower beyond the spread when most of its paired gains are
+    losses: a round where a burst of load slowed the defaults does not hide a steady 2× loss."""
+    from tuner.search import Candidate
+
+    c = Candidate("trial 1", {}, gains={"lossy": [-0.5, -0.5, -0.5, -0.5, 2.0], "noisy": [0.1, -0.05, 0.2, 0.0, 0.1],
+                                        "even": [-0.1, 0.1, -0.1, 0.1, 0.0]})
+    assert Tuner.slower_at(c, "lossy") and not Tuner.slower_at(c, "noisy") and not Tuner.slower_at(c, "even")

@@ -132,3 +132,60 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ------------------------------------------------------------------ drift and workload mixes
+
+class DriftingToy(ToyObjective):
+    """The machine slows down steadily (0.4 % a call, as a machine drifts by 15 % within minutes);
+    the knob `threads` does nothing. Relative scoring must see no signal in it."""
+    metrics = (Metric("time_s", "minimize", "s"),)
+
+    def prepare(self, knobs: dict):
+        def run() -> dict:
+            self.calls += 1
+            return {"time_s": 1.0 + 0.004 * self.calls}
+
+        return run
+
+
+def sleeping_tiny_objective(base_s: float = 0.15):
+    """The default (tpot) objective on `tiny` with a short and a long point, and two planted toy
+    knobs (TOY_MIX_CATALOGUE) acting through a sleep of `base_s` in every engine step (a tiny step
+    takes 5-60 ms on a loaded 2-core machine, with bursts of +60 ms): `reverse` makes short
+    contexts' sleep 10× shorter and long ones' 5× longer (its best value depends on the context);
+    `uniform` makes every sleep 0.4× as long. The engine's answers are untouched."""
+    import time
+
+    from tuner.objectives import Point, SystemObjective
+
+    class Sleeping(SystemObjective):
+        def build(self, knobs):
+            toy = {k: knobs.get(k, TOY_MIX_CATALOGUE[k].default) for k in TOY_MIX_CATALOGUE}
+            llm = super().build({k: v for k, v in knobs.items() if k not in TOY_MIX_CATALOGUE})
+            step = llm._step
+
+            def slowed(reqs, new_tokens):
+                out = step(reqs, new_tokens)
+                long = max(r.seq.num_tokens for r in reqs) > 256
+                f = (5.0 if long else 0.1) if toy["reverse"] else 1.0
+                time.sleep(base_s * f * (0.4 if toy["uniform"] else 1.0))
+                return out
+
+            llm._step = slowed
+            return llm
+
+    return Sleeping("tpot", "tiny", "float32", mix=(Point(16, 4), Point(512, 4)))
+
+
+def toy_mix_catalogue():
+    from engine.knobs import SpansContexts
+
+    return {k.name: k for k in (
+        Knob("reverse", bool, False, "engine/toy", "faster at short contexts, slower at long ones",
+             observed_by=(SpansContexts(256, 512),)),
+        Knob("uniform", bool, False, "engine/toy", "faster everywhere"),
+    )}
+
+
+TOY_MIX_CATALOGUE = toy_mix_catalogue()

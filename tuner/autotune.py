@@ -1,15 +1,21 @@
 """`moetune autotune`: tune this machine's knobs for a model and write its profile.
 
-    moetune autotune [--model small] [--objective tpot|ttft|throughput|pareto]
+    moetune autotune [--model small] [--objective tpot|ttft|throughput|pareto] [--mix 128/16,4x128/16]
                      [--trials N | --time-budget 10m] [--storage URL] [--tier both|system|kernels]
 
-With no arguments: the `small` preset, both tiers in ten minutes: first the kernel tier on the
+With no arguments: the `small` preset, both tiers in ten minutes. First the kernel tier on the
 model's own call sites (every distinct linear shape, the fused MoE with its experts and top-k, MLA
 decode and extend attention with its heads; token buckets 1–512, attention by batch × context),
-whose per-bucket winners become the profile's [kernel_tables], then the system tier (TPOT at batch
-1) on top of those tables. The budget split is printed (--kernel-share). The studies are stored
-(SQLite in the results folder, or --storage, e.g. postgresql://user@host/db) and resumed by name:
-Ctrl-C stops cleanly, and the next run goes on where it stopped.
+whose per-bucket winners become the profile's [kernel_tables]; then the system tier, TPOT over the
+model's default mix (tuner/objectives.py DEFAULT_MIX: `prompt 128/16`, `prompt 1024/16`,
+`batch 4 × 128/16`) on top of those tables. The budget split is printed (--kernel-share). The
+studies are stored (SQLite in the results folder, or --storage, e.g. postgresql://user@host/db) and
+resumed by name (the system study's name records the objective, model, machine and mix): Ctrl-C
+stops cleanly, and the next run goes on where it stopped.
+
+The system tier searches only the knobs its mix can observe (the others are listed with why) and
+writes only those into the profile, and only where they differ from the defaults; serving limits
+are never lowered below their defaults unless the objective measures concurrency (throughput).
 """
 from __future__ import annotations
 
@@ -45,9 +51,13 @@ def add_parser(sub) -> None:
     budget.add_argument("--time-budget", type=parse_duration, help="wall time of this run (default 10m)")
     a.add_argument("--storage", help="Optuna storage URL (default: SQLite in the results folder)")
     a.add_argument("--study", help="study name (default: from objective, model and machine)")
-    a.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
-    a.add_argument("--decode", type=int, default=4, help="output tokens per request")
+    a.add_argument("--mix", help="workload points, e.g. 128/16,1024/16,4x128/16 (BxPROMPT/OUTPUT; "
+                                 "default: the model's mix, see tuner/objectives.py)")
+    a.add_argument("--prompt-len", type=int, help="one point instead of the mix: prompt tokens per request")
+    a.add_argument("--decode", type=int, help="one point instead of the mix: output tokens per request")
     a.add_argument("--batch", type=int, default=4, help="requests together (throughput)")
+    a.add_argument("--defaults-every", type=int, default=5,
+                   help="re-measure the defaults after this many trials (drift)")
     a.add_argument("--latency-limit", type=float, default=10.0, help="most s/token (throughput)")
     a.add_argument("--op", action="append", help="kernel tier: only this op (repeatable)")
     a.add_argument("--format", action="append", help="kernel tier: only this weight format (repeatable)")
@@ -95,29 +105,55 @@ def _model_key(args) -> str:
     return model_key(cfg, _format_name(cfg, args.dtype))
 
 
+def objective_from_args(args, fmt: str = ""):
+    """The system objective the command line asks for (its mix: --mix, one --prompt-len/--decode
+    point, or the model's default)."""
+    from tuner.objectives import Point, SystemObjective, parse_mix
+
+    if args.mix and (args.prompt_len or args.decode):
+        raise MoetuneError("give either --mix or --prompt-len/--decode, not both")
+    mix = parse_mix(args.mix) if args.mix else None
+    if args.prompt_len or args.decode:
+        mix = (Point(args.prompt_len or 128, args.decode or 16, args.batch if args.objective == "throughput" else 1),)
+    if args.objective == "throughput" and mix is None:
+        mix = (Point(128, 16, args.batch),)
+    return SystemObjective(args.objective, args.model, args.dtype, mix, batch=args.batch,
+                           latency_limit_s=args.latency_limit, format=fmt)
+
+
+def study_name(obj, mkey: str, hw: str) -> str:
+    """Objective, model, machine and the mix, e.g. system-tpot-<model>-<hw>-p128d16+p1024d16+b4p128d16."""
+    from tuner.objectives import mix_slug
+
+    return f"{obj.name}-{mkey}-{hw}-{mix_slug(obj.mix)}"
+
+
 def _system(args, cfg, t0: float) -> int:
     from tuner.fingerprint import fingerprint
-    from tuner.objectives import SystemObjective, shared_weights
+    from tuner.objectives import shared_weights
     from tuner.profile import find_profile
     from tuner.search import Tuner
     from tuner.space import SearchSpace
 
     mkey = _model_key(args)
+    obj = objective_from_args(args, mkey.rsplit("-", 1)[1])
+    cfg.defaults_every = args.defaults_every
     prior = find_profile(mkey)
-    obj = SystemObjective(args.objective, args.model, args.dtype, args.prompt_len, args.decode,
-                          args.batch, args.latency_limit, format=mkey.rsplit("-", 1)[1],
-                          kernel_tables=dict(prior.kernel_tables) if prior else None)
-    if prior and prior.kernel_tables:
+    if prior and prior.kernel_tables:  # every trial runs on top of the kernel tier's tables
+        obj.kernel_tables = dict(prior.kernel_tables)
         print(f"system tier on top of the kernel tables of {prior.path} "
               f"({sum(len(r) for r in prior.kernel_tables.values())} rows)")
-    space = SearchSpace.from_catalogue()
+    space = SearchSpace.from_catalogue(workload=obj.provides)
     hw = fingerprint()["hardware_key"]
-    name = args.study or f"{obj.name}-{mkey}-{hw}-p{args.prompt_len}d{args.decode}"
+    name = args.study or study_name(obj, mkey, hw)
     with shared_weights():
         tuner = Tuner(space, obj, cfg, args.storage, name, prior=prior.knobs if prior else None)
         if cfg.time_budget_s is not None:
             cfg.time_budget_s = max(0.0, cfg.time_budget_s - (time.monotonic() - t0))
-        print(f"tuning {', '.join(space.names)} for {mkey} ({obj.kind}; study {name})")
+        print(f"tuning {', '.join(space.names)} for {mkey} ({obj.kind} over {', '.join(obj.points)}; "
+              f"study {name})")
+        for knob, why in space.skipped.items():
+            print(f"  not tuned: {knob} ({why})")
         with _Progress(tuner, cfg) as bar:
             result = tuner.run(on_trial=bar.update)
     if result.interrupted:
@@ -221,33 +257,66 @@ def write_profile(result, tuner, mkey: str, prior):
     """The profile for (this machine, model): the kept knobs that differ from the defaults, gains
     with spreads; the kernel tables of an earlier profile are kept."""
     from tuner.profile import Profile, profile_path, save_profile
+    from tuner.search import sample_key
 
     win = result.winner
     gain = {m.name: (win.gain(m.name)["median"] if win else 0.0) for m in result.metrics}
     spread = {m.name: ([win.gain(m.name)["low"], win.gain(m.name)["high"]] if win else [0.0, 0.0])
               for m in result.metrics}
+    points = getattr(tuner.obj, "points", ())
+    by_point = {m.name: {p: [win.gain(sample_key(m.name, p))[x] for x in ("median", "low", "high")]
+                         for p in points} for m in result.metrics} if win and points else {}
     meta = _meta(mkey, tuner.obj.kind, result.study, gain, spread, trial=result.best_trial if result.kept else -1,
-                 kept=result.kept, workload=tuner.obj.workload)
-    # Only the knobs that differ from the defaults: the rest follow the engine's defaults, so a
-    # later default (a faster backend, say) is not pinned back by an old profile.
-    changed = {k: v for k, v in result.knobs.items() if tuner.defaults.get(k) != v}
-    prof = Profile(meta, changed, dict(prior.kernel_tables) if prior else {})
+                 kept=result.kept, workload=tuner.obj.workload, gain_by_point=by_point,
+                 not_tuned=dict(tuner.space.skipped))
+    prof = Profile(meta, profile_knobs(result.knobs, tuner), dict(prior.kernel_tables) if prior else {})
     hw = meta["hardware_key"]
     return save_profile(prof, profile_path(hw, mkey))
 
 
+def profile_knobs(knobs: dict, tuner) -> dict:
+    """What a profile may hold of a kept knob set: only knobs the space searched (those its
+    workload observes) that differ from the defaults (the rest follow the engine's defaults, so a
+    later default is not pinned back by an old profile), and no serving limit below its default
+    unless the objective measures concurrency."""
+    from engine.knobs import CATALOGUE
+
+    provides = getattr(tuner.obj, "provides", None)
+    concurrency = bool(provides and provides.measures_concurrency)
+    out = {}
+    for k, v in knobs.items():
+        knob = CATALOGUE.get(k)
+        if k not in tuner.space.names or tuner.defaults.get(k) == v:
+            continue
+        if knob is not None and knob.serving_limit and not concurrency and isinstance(v, int) \
+                and isinstance(knob.default, int) and v < knob.default:
+            continue
+        out[k] = v
+    return out
+
+
 def gain_table(result, tuner) -> str:
     """Defaults and each finalist, re-measured alternately: median [p10–p90] and gain over the defaults."""
-    lines = ["", f"{'candidate':12s} {'metric':16s} {'median':>10s} {'p10–p90':>21s} {'gain':>8s} {'gain p10–p90':>17s}  changed knobs"]
+    from tuner.search import sample_key
+
+    points = [p for p in getattr(tuner.obj, "points", ()) if p]
+    w = max([len(p) for p in points] + [8])
+    lines = ["", f"{'candidate':12s} {'workload':{w}s} {'metric':16s} {'median':>10s} {'p10–p90':>21s} "
+                 f"{'gain':>8s} {'gain p10–p90':>17s}  changed knobs"]
     for c in result.candidates:
         changed = {k: v for k, v in c.knobs.items() if tuner.defaults.get(k) != v}
+        mark = " ←kept" if result.kept and c is result.winner else (f" ({c.note})" if c.note else "")
         for m in result.metrics:
-            s = _stats(c.samples.get(m.name, []))
-            g = c.gain(m.name)
-            mark = " ←kept" if result.kept and c is result.winner else ""
-            lines.append(f"{c.label:12s} {m.name:16s} {s['median']:10.4g} {s['p10']:10.4g}–{s['p90']:<10.4g} "
-                         f"{g['median']:+8.1%} {g['low']:+8.1%}–{g['high']:<+8.1%} "
-                         f"{changed if c.label != 'defaults' else ''}{mark}")
+            for p in points or [""]:
+                s = _stats(c.samples.get(sample_key(m.name, p), []))
+                g = c.gain(sample_key(m.name, p))
+                lines.append(f"{c.label:12s} {p or '-':{w}s} {m.name:16s} {s['median']:10.4g} "
+                             f"{s['p10']:10.4g}–{s['p90']:<10.4g} {g['median']:+8.1%} {g['low']:+8.1%}–{g['high']:<+8.1%}")
+            if len(points) > 1:
+                g = c.gain(m.name)
+                lines.append(f"{c.label:12s} {'all (geomean)':{w}s} {m.name:16s} {'':10s} {'':21s} "
+                             f"{g['median']:+8.1%} {g['low']:+8.1%}–{g['high']:<+8.1%}")
+        lines[-1] += f"  {changed if c.label != 'defaults' else ''}{mark}"
     return "\n".join(lines)
 
 
@@ -296,6 +365,8 @@ def _postfix(tuner, frozen) -> str:
         return text + f", {len(done)} complete"
     m = metrics[0]
     best = min(done, key=lambda t: t.value) if m.direction == "minimize" else max(done, key=lambda t: t.value)
+    if tuner.relative:  # values are ratios to the latest measurement of the defaults
+        return text + f", best {best.value:.3f}× the defaults' {m.name} (trial {best.number})"
     base = next((t for t in done if t.user_attrs.get("seed") == "defaults"), None)
     gain = f", gain {m.gain(best.value, base.value):+.1%}" if base else ""
     return text + f", best {m.name}={best.value:.4g} (trial {best.number}){gain}"

@@ -17,6 +17,33 @@ resumed by name; `trials` is the study's total, so a rerun after Ctrl-C does the
 Before anything is written, `confirm` re-measures the best few and the defaults alternately, round
 by round; a candidate is kept only if its gain over the defaults, paired round by round, stays above
 zero across the spread (p10 of the paired gains > 0).
+
+Workload mixes. An objective may measure several points (`points`: labels such as `prompt 128/16`,
+`batch 4 × 128/16`); its runner then returns one sample per (metric, point) under
+`sample_key(metric, point)`. The confirmation keeps a candidate only if, besides winning overall,
+it is not slower than the defaults beyond the spread at ANY point (`slower_at`: the upper quartile
+of the paired gains at a point below zero rejects it).
+
+Drift is measured, not learned (relative scoring: on when `defaults_every` is set or the objective
+has several points). The defaults are measured at the start of each run and again after every
+`defaults_every` trials, interleaved with the trials; each trial's value is, per metric, the
+geometric mean over the points of its median divided by the defaults' median in the latest such
+measurement (1.0: as fast as the defaults; lower is better for minimize, higher for maximize).
+Stored for the report:
+    study user attr  "defaults:<unix time>:<pid>" = {"after_trials": trials finished at that time,
+                     "time": unix seconds, "medians": {sample key: median}, "run_id"}
+    trial user attrs "raw" {sample key: median}, "baseline" (the defaults measurement's attr key),
+                     "ratios" {sample key: median / the defaults' median}
+    result store     suite "autotune-defaults": one row per (metric, point) per defaults
+                     measurement (trial empty, extra.after_trials, extra.baseline);
+                     suite "autotune": per trial one row per metric named "<metric>/defaults"
+                     (unit "ratio", one sample per repeat: the geometric mean over the points of
+                     that repeat's ratios; what the search saw, drift taken out);
+                     suite "autotune-points": per trial one row per (metric, point), raw
+                     (workload: the point; extra.point, extra.baseline);
+                     suite "autotune-confirm": per candidate one row per (metric, point).
+    Without relative scoring (one point, no `defaults_every`) the "autotune" rows are the raw
+    metrics, as before.
 """
 from __future__ import annotations
 
@@ -50,6 +77,20 @@ class TrialTimeout(TrialFailure):
     status = "timeout"
 
 
+def sample_key(metric: str, point: str = "") -> str:
+    """The runner's key for one metric at one workload point ("tpot_s @ prompt 128/16")."""
+    return f"{metric} @ {point}" if point else metric
+
+
+def _points(obj) -> tuple[str, ...]:
+    return tuple(getattr(obj, "points", None) or ("",))
+
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs and all(x > 0 for x in xs) else math.nan
+
+
 @dataclass(frozen=True)
 class Metric:
     name: str  # e.g. "tpot_s"
@@ -66,7 +107,8 @@ class Metric:
 
 class Objective(Protocol):
     """What a tier measures. prepare(knobs) builds a runner (may raise TrialFailure); each call of
-    the runner is one repeat and returns one sample per metric."""
+    the runner is one repeat and returns one sample per metric (per metric and point, keyed by
+    sample_key, when the objective has `points`; `workload_of(point)` then names each point)."""
     name: str
     metrics: tuple[Metric, ...]
     model: str
@@ -86,6 +128,7 @@ class TuneConfig:
     trial_timeout_s: float | None = None
     finalists: int = 3  # candidates re-measured against the defaults
     confirm_rounds: int = 3
+    defaults_every: int | None = None  # re-measure the defaults after this many trials (relative scoring)
     seed: int | None = None
     progress: bool = True
 
@@ -148,8 +191,10 @@ def _rdb_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
 class Candidate:
     label: str  # "defaults" or "trial N"
     knobs: dict
-    samples: dict[str, list[float]] = field(default_factory=dict)
-    gains: dict[str, list[float]] = field(default_factory=dict)  # paired with the defaults, per round
+    samples: dict[str, list[float]] = field(default_factory=dict)  # per sample key
+    gains: dict[str, list[float]] = field(default_factory=dict)  # paired with the defaults, per round:
+    # per sample key, and per metric name (the geometric mean over the points of each round's ratios)
+    note: str = ""  # why the confirmation did not keep it
 
     def gain(self, metric: str) -> dict:
         g = self.gains.get(metric, [])
@@ -188,6 +233,12 @@ class Tuner:
         self._call_s: list[float] = []  # seconds per runner call, to size the confirmation
         self._prepare_s: list[float] = []
         self._deadline = math.inf
+        self.points = _points(objective)
+        self.keys = [(m, p, sample_key(m.name, p)) for m in objective.metrics for p in self.points]
+        self.relative = cfg.defaults_every is not None or len(self.points) > 1
+        self.baseline: dict[str, float] = {}  # the latest measurement of the defaults: sample key → median
+        self.baseline_key = ""
+        self._since_baseline = 0
 
     # ------------------------------------------------------------ search
 
@@ -199,7 +250,11 @@ class Tuner:
         interrupted = False
         try:
             while self._more(t0):
+                if self.relative and (not self.baseline or (self.cfg.defaults_every is not None and
+                                                            self._since_baseline >= self.cfg.defaults_every)):
+                    self.measure_defaults()
                 frozen = self._one_trial()
+                self._since_baseline += 1
                 if on_trial:
                     on_trial(self, frozen)
         except KeyboardInterrupt:
@@ -221,9 +276,52 @@ class Tuner:
         return left > 1.5 * self.confirm_estimate_s() + self.trial_estimate_s()  # margin: noisy machines
 
     def trial_estimate_s(self) -> float:
+        """One trial, with its share of the defaults' re-measurements."""
         call = statistics.median(self._call_s) if self._call_s else 0.0
         prep = statistics.median(self._prepare_s) if self._prepare_s else 0.0
-        return prep + call * (self.cfg.warmup + self.cfg.repeats)
+        share = 1.0 + (1.0 / self.cfg.defaults_every if self.relative and self.cfg.defaults_every else 0.0)
+        return share * (prep + call * (self.cfg.warmup + self.cfg.repeats))
+
+    # ------------------------------------------------------------ drift: the defaults, re-measured
+
+    def measure_defaults(self) -> dict[str, float]:
+        """Measure the defaults now (warm-up, repeats); they become the baseline of the next trials."""
+        from engine.errors import MoetuneError
+
+        samples: dict[str, list[float]] = {}
+        try:
+            t = time.monotonic()
+            runner = self.obj.prepare(dict(self.defaults))
+            self._prepare_s.append(time.monotonic() - t)
+            for _ in range(self.cfg.warmup):
+                self._timed_call(runner, math.inf)
+            for _ in range(self.cfg.repeats):
+                for name, value in self._timed_call(runner, math.inf).items():
+                    samples.setdefault(name, []).append(float(value))
+        except TrialFailure as e:
+            raise MoetuneError(f"the defaults cannot be measured: {e}") from None
+        self.baseline = {key: statistics.median(samples[key]) for _, _, key in self.keys}
+        self.baseline_key = f"defaults:{time.time():.3f}:{os.getpid()}"
+        self._since_baseline = 0
+        self.study.set_user_attr(self.baseline_key, {"after_trials": self.finished(), "time": time.time(),
+                                                     "medians": self.baseline, "run_id": self.run_id})
+        self._store(None, self.defaults, samples, "ok", "", suite="autotune-defaults", label="defaults",
+                    extra={"after_trials": self.finished(), "baseline": self.baseline_key})
+        return self.baseline
+
+    def ratios(self, samples: dict[str, list[float]], i: int | None = None) -> dict[str, float]:
+        """Each sample key's median (or its i-th sample) over the baseline's median."""
+        return {key: (statistics.median(samples[key]) if i is None else samples[key][i]) / self.baseline[key]
+                if self.baseline.get(key) else math.nan for _, _, key in self.keys}
+
+    def score(self, samples: dict[str, list[float]], i: int | None = None) -> list[float]:
+        """The trial's value per metric: relative, the geometric mean of its ratios over the points;
+        else the median."""
+        if not self.relative:
+            keys = [sample_key(m.name, self.points[0]) for m in self.obj.metrics]  # one point
+            return [statistics.median(samples[k]) if i is None else samples[k][i] for k in keys]
+        r = self.ratios(samples, i)
+        return [_geomean(r[sample_key(m.name, p)] for p in self.points) for m in self.obj.metrics]
 
     def confirm_estimate_s(self) -> float:
         call = statistics.median(self._call_s) if self._call_s else 0.0
@@ -234,8 +332,11 @@ class Tuner:
     def _enqueue_seeds(self) -> None:
         self.study.enqueue_trial(self.space.params_of(self.defaults), user_attrs={"seed": "defaults"},
                                  skip_if_exists=True)
-        if self.prior and self.space.contains({**self.defaults, **self.prior}):
-            self.study.enqueue_trial(self.space.params_of({**self.defaults, **self.prior}),
+        # the last profile's values of the searched knobs (a value above a workload cap behaves as the cap)
+        prior = {k: (min(v, self.space.caps[k]) if k in self.space.caps and isinstance(v, int) else v)
+                 for k, v in (self.prior or {}).items() if k in self.space.names}
+        if prior and self.space.contains({**self.defaults, **prior}):
+            self.study.enqueue_trial(self.space.params_of({**self.defaults, **prior}),
                                      user_attrs={"seed": "last profile"}, skip_if_exists=True)
 
     def _one_trial(self) -> optuna.trial.FrozenTrial:
@@ -267,12 +368,12 @@ class Tuner:
         deadline = t + self.cfg.trial_timeout_s if self.cfg.trial_timeout_s else math.inf
         for _ in range(self.cfg.warmup):
             self._timed_call(runner, deadline)
-        first = self.obj.metrics[0].name
         for i in range(self.cfg.repeats):
             for name, value in self._timed_call(runner, deadline).items():
                 samples.setdefault(name, []).append(float(value))
             if i < 2 and len(self.obj.metrics) == 1 and i < self.cfg.repeats - 1:
-                best = min(samples[first]) if self.obj.metrics[0].direction == "minimize" else max(samples[first])
+                so_far = [self.score(samples, j)[0] for j in range(i + 1)]
+                best = min(so_far) if self.obj.metrics[0].direction == "minimize" else max(so_far)
                 trial.report(best, i)
                 # Pruned only when the best of two samples is clearly worse: one sample taken
                 # during a burst of load from elsewhere must not end a good configuration.
@@ -285,7 +386,7 @@ class Tuner:
         self._call_s.append(time.monotonic() - t)
         if time.monotonic() > deadline:
             raise TrialTimeout(f"timeout: over {self.cfg.trial_timeout_s:.0f} s")
-        missing = [m.name for m in self.obj.metrics if m.name not in out]
+        missing = [key for _, _, key in self.keys if key not in out]
         if missing:
             raise TrialFailure(f"objective returned no {missing}")
         return out
@@ -296,20 +397,41 @@ class Tuner:
             trial.set_user_attr("error", error[:500])
         values = None
         if state == optuna.trial.TrialState.COMPLETE:
-            values = [statistics.median(samples[m.name]) for m in self.obj.metrics]
+            values = self.score(samples)
+            if not all(math.isfinite(v) for v in values):
+                state, status, error, values = optuna.trial.TrialState.FAIL, "failed", \
+                    f"no valid measurement: {values}", None
+        if self.relative and all(samples.get(key) for _, _, key in self.keys):
+            trial.set_user_attr("raw", {key: statistics.median(samples[key]) for _, _, key in self.keys})
+            trial.set_user_attr("ratios", self.ratios(samples))
+            trial.set_user_attr("baseline", self.baseline_key)
         self.study.tell(trial, values, state=state)
         self._store(trial.number, knobs, samples, status, error)
         return self.study.trials[trial.number]
 
     def _store(self, number: int | None, knobs: dict, samples: dict, status: str, error: str,
-               suite: str | None = None, label: str = "") -> None:
-        rows = [{"study": self.study_name, "trial": number, "knobs": knobs, "metric": m.name,
-                 "unit": m.unit, "direction": m.direction, "samples": samples.get(m.name, []),
-                 "status": status, "error": error or None, "model": self.obj.model,
-                 "format": self.obj.format, "workload": self.obj.workload,
-                 "extra": {**getattr(self.obj, "extra", {}), "objective": self.obj.name,
-                           **({"label": label} if label else {})}}
-                for m in self.obj.metrics]
+               suite: str | None = None, label: str = "", extra: dict | None = None) -> None:
+        base = {"study": self.study_name, "trial": number, "knobs": knobs, "status": status,
+                "error": error or None, "model": self.obj.model, "format": self.obj.format}
+        more = {**getattr(self.obj, "extra", {}), "objective": self.obj.name, **({"label": label} if label else {}),
+                **({"baseline": self.baseline_key} if self.relative and number is not None else {}),
+                **(extra or {})}
+        rows = []
+        points_suite = None
+        if self.relative and (suite or self.suite) == self.suite:  # the scores; the points beside them
+            points_suite = f"{self.suite}-points"
+            n = min((len(samples.get(key, [])) for _, _, key in self.keys), default=0)
+            per_repeat = [self.score(samples, i) for i in range(n)] if self.baseline else []
+            rows += [{**base, "metric": f"{m.name}/defaults", "unit": "ratio", "direction": m.direction,
+                      "samples": [v[j] for v in per_repeat], "workload": self.obj.workload,
+                      "extra": {**more, "points": list(self.points)}}
+                     for j, m in enumerate(self.obj.metrics)]
+        rows += [{**base, "metric": m.name, "unit": m.unit, "direction": m.direction,
+                  "samples": samples.get(key, []), **({"suite": points_suite} if points_suite else {}),
+                  "workload": getattr(self.obj, "workload_of", lambda _: self.obj.workload)(p) if p
+                  else self.obj.workload,
+                  "extra": {**more, **({"point": p} if p else {})}}
+                 for m, p, key in self.keys]
         try:
             append_rows(rows, suite or self.suite, run_id=self.run_id)
         except OSError as e:  # a full disk must not lose the study
@@ -375,20 +497,45 @@ class Tuner:
         return runners
 
     def _pair_gains(self, cands: list[Candidate]) -> None:
+        """Gains over the defaults paired round by round: per sample key, and per metric the gain
+        of the geometric mean over the points of that round's ratios."""
         base = cands[0]
         for c in cands:
             for m in self.obj.metrics:
-                pairs = zip(c.samples.get(m.name, []), base.samples.get(m.name, []))
-                c.gains[m.name] = [m.gain(t, d) for t, d in pairs]
+                ratios = []  # per point: this round's candidate / defaults
+                for p in self.points:
+                    key = sample_key(m.name, p)
+                    pairs = list(zip(c.samples.get(key, []), base.samples.get(key, [])))
+                    c.gains[key] = [m.gain(t, d) for t, d in pairs]
+                    ratios.append([t / d if d else math.nan for t, d in pairs])
+                rounds = min(len(r) for r in ratios)
+                c.gains[m.name] = [m.gain(_geomean(r[i] for r in ratios), 1.0) for i in range(rounds)]
+
+    @staticmethod
+    def slower_at(c: Candidate, key: str) -> bool:
+        """Slower than the defaults at this point beyond the spread: the upper quartile of the
+        paired gains is below zero (slower in most rounds; stricter than p90 < 0, and unlike the
+        p90 of a few rounds, one round that a burst of load slowed for the defaults cannot hide it)."""
+        import numpy as np
+
+        g = c.gains.get(key, [])
+        return bool(g) and not float(np.percentile(g, 75)) >= 0
 
     def _pick(self, cands: list[Candidate]) -> Candidate | None:
-        """The candidate with the largest median gain among those winning beyond the spread."""
+        """The candidate with the largest median gain among those winning beyond the spread and
+        slower than the defaults beyond the spread at no point of the mix."""
         ok = []
         for c in cands:
             g = [c.gain(m.name) for m in self.obj.metrics]
-            if any(x["low"] > 0 for x in g) and all(x["high"] >= 0 for x in g) and \
-                    all(x["median"] >= 0 for x in g):
-                ok.append((sum(x["median"] for x in g), c))
+            slower = [key for _, _, key in self.keys if self.slower_at(c, key)]
+            if slower:
+                c.note = f"slower than the defaults beyond the spread at {', '.join(slower)}"
+                continue
+            if not (any(x["low"] > 0 for x in g) and all(x["high"] >= 0 for x in g)
+                    and all(x["median"] >= 0 for x in g)):
+                c.note = "no gain beyond the spread"
+                continue
+            ok.append((sum(x["median"] for x in g), c))
         return max(ok, key=lambda p: p[0])[1] if ok else None
 
 

@@ -8,16 +8,23 @@ Constraints between knobs (engine.knobs: Divides, AtMost, ProductAtMost) become 
 bounds*: a knob is sampled after the knobs it depends on, and its range is cut to what they allow,
 so a sampled configuration never breaks one (nothing is rejected after sampling). Machine limits
 ("cores", "ranks") come from `limits`.
+
+Given the objective's workload (`workload`: a knobspec.Provides), only the knobs it can observe
+are searched (Knob.observed: serving limits only under an objective that measures concurrency,
+CappedBy knobs only when the workload reaches above their low end, SpansContexts knobs only when
+the mix spans the contexts); the others stay at their defaults and are listed in `skipped` with
+the reason. A CappedBy knob is searched up to the workload's figure (`caps`): higher values all
+behave like it, so its default is clipped there and a value at the cap is no change.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import MoetuneError
-from engine.knobs import CATALOGUE, Knob, check_constraints, resolve_knobs
+from engine.knobs import CATALOGUE, Knob, Provides, check_constraints, resolve_knobs
 
 
 def machine_limits() -> dict[str, int]:
@@ -57,10 +64,13 @@ class SearchSpace:
     knobs: list[Knob]
     limits: dict[str, int]
     fixed: dict[str, Any]  # knobs held at their (resolved) value: the rest of the catalogue
+    caps: dict[str, int] = field(default_factory=dict)  # CappedBy knobs: highest value the workload tells apart
+    skipped: dict[str, str] = field(default_factory=dict)  # knob → why the workload cannot observe it
 
     @classmethod
     def from_catalogue(cls, names=None, catalogue: dict[str, Knob] | None = None,
-                       limits: dict | None = None, exclude_components=("kernels",)) -> "SearchSpace":
+                       limits: dict | None = None, exclude_components=("kernels",),
+                       workload: Provides | None = None) -> "SearchSpace":
         cat = catalogue if catalogue is not None else CATALOGUE
         if names is None:
             names = [k.name for k in cat.values()
@@ -68,12 +78,21 @@ class SearchSpace:
         unknown = [n for n in names if n not in cat]
         if unknown:
             raise MoetuneError(f"unknown knobs {unknown} (known: {', '.join(sorted(cat))})")
+        skipped, caps = {}, {}
+        if workload is not None:
+            for n in names:
+                ok, why = cat[n].observed(workload)
+                if not ok:
+                    skipped[n] = why
+                elif cat[n].cap(workload) is not None and cat[n].choices is None and cat[n].type is int:
+                    caps[n] = min(cat[n].high, cat[n].cap(workload))
+            names = [n for n in names if n not in skipped]
         searched = _order([cat[n] for n in names])
         for k in searched:
             _check_searchable(k, cat)
         defaults = resolve_knobs() if cat is CATALOGUE else {k.name: k.default for k in cat.values()}
         fixed = {n: v for n, v in defaults.items() if n not in names}
-        return cls(searched, limits if limits is not None else machine_limits(), fixed)
+        return cls(searched, limits if limits is not None else machine_limits(), fixed, caps, skipped)
 
     @property
     def names(self) -> list[str]:
@@ -98,7 +117,7 @@ class SearchSpace:
 
     def bounds(self, k: Knob, values: dict) -> tuple[int, int]:
         """The integer range of `k` given the knobs sampled before it."""
-        high = k.high
+        high = min(k.high, self.caps.get(k.name, k.high))
         for con in k.constraints:
             high = min(high, con.upper(values, self.limits))
         if high < k.low:
