@@ -170,6 +170,11 @@ class TunedOps:
     def __getattr__(self, name: str):
         return getattr(self._ops, name)
 
+    @property
+    def backend(self):
+        """The wrapped kernel backend module."""
+        return self._ops
+
     def linear(self, x, weight):
         site = self._weight_sites.get(id(weight))
         if site is None:

@@ -386,7 +386,7 @@ def test_engine_logits_with_cpu_backend_match_transformers(oracle, dtype):
 
     path, prompt, ref = oracle
     llm = LLM(str(path), dtype=dtype, knobs={"kernel_backend": "cpu"}, progress=False)
-    assert llm.model.ops is cpu
+    assert llm.model.ops.backend is cpu  # the cpu kernels behind the per-call tables (engine/kernel_tables.py)
     got = llm.logits(prompt)
     if dtype == "float32":
         assert rel_err(got, ref) < 1e-4
@@ -405,7 +405,7 @@ def test_engine_greedy_with_cpu_attention_matches_transformers(oracle, absorb):
 
     path, prompt, _ = oracle
     llm = LLM(str(path), dtype="float32", knobs={"kernel_backend": "cpu", "mla_absorb": absorb}, progress=False)
-    assert llm.model.ops is cpu and "mla_decode" in cpu.NATIVE_OPS
+    assert llm.model.ops.backend is cpu and "mla_decode" in cpu.NATIVE_OPS
     out = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(build_hf_model("v3_odd"), prompt, 12)
 
