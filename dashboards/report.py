@@ -129,7 +129,8 @@ def study_figures(rows) -> list[str]:
 
 def _axis(rows) -> tuple[str, float]:
     """(axis title with its unit, scale to that unit) of the rows' metric (one metric)."""
-    metric, unit = rows["metric"].iloc[0], rows["unit"].iloc[0]
+    metric = rows["metric"].iloc[0]
+    unit = rows["unit"].iloc[0] if "unit" in rows else ""  # rows of old stores may lack it
     return metric_title(metric, unit), metric_axis(metric, unit)[2]
 
 

@@ -11,7 +11,7 @@ def make(hw=None, knobs=None):
     meta = {"hardware_key": hw or fp["hardware_key"], "model_key": "m-key", "fingerprint": dict(fp),
             "commit": fp["commit"], "study": "s", "trial": 3, "objective": "tpot",
             "gain": {"tpot_s": 0.25}, "gain_spread": {"tpot_s": [0.1, 0.4]}}
-    tables = {"fused_moe": [{"format": "int8", "tokens": 1, "block_m": 32}]}
+    tables = {"fused_moe": [{"format": "int8", "tokens": 1, "cpu_moe_block_n": 16}]}
     return Profile(meta, knobs or {"kv_block_size": 16, "mla_absorb": "always"}, tables)
 
 
@@ -19,7 +19,7 @@ def test_round_trip(tmp_path):
     p = save_profile(make(), tmp_path / "a.toml")
     got = load_profile(p)
     assert got.knobs == {"kv_block_size": 16, "mla_absorb": "always"}
-    assert got.kernel_tables == {"fused_moe": [{"format": "int8", "tokens": 1, "block_m": 32}]}
+    assert got.kernel_tables == {"fused_moe": [{"format": "int8", "tokens": 1, "cpu_moe_block_n": 16}]}
     assert got.meta["gain_spread"] == {"tpot_s": [0.1, 0.4]} and got.meta["schema_version"] == 1
     assert got.meta["fingerprint"]["hash"] == fingerprint()["hash"]
     assert not list(tmp_path.glob("*.tmp-*"))  # the temp file was renamed
