@@ -82,7 +82,12 @@ def build_report(out: Path | None = None, results: Path | None = None, profiles:
         if len(rows):
             name = f"study-{slug(study)}.html"
             wl = workload_label(rows["workload"].iloc[0])
-            _write(out / name, f"Study {study}" + (f": {wl}" if wl else ""), study_figures(rows))
+            parts = study_figures(rows)
+            drift = df[(df["study"] == study) & (df["suite"] == "autotune-defaults")]
+            if len(drift):  # the defaults re-measured through the study: the machine's drift
+                parts.append(_div(drift_figure(drift), "drift",
+                                  "The defaults re-measured through the study (drift; trials are scored against the nearest)"))
+            _write(out / name, f"Study {study}" + (f": {wl}" if wl else ""), parts)
             links.append(f'<li><a href="{name}">{html.escape(study)}</a> ({html.escape(wl)}; '
                          f'{rows["trial"].nunique()} trials)</li>')
     from dashboards.compare import compare_parts
@@ -152,6 +157,24 @@ def history_figure(rows):
         fig.add_scatter(x=ok["trial"], y=best * scale, mode="lines", name="best so far", line_shape="hv")
     fig.update_xaxes(title="trial")
     fig.update_yaxes(title=title)
+    return fig
+
+
+def drift_figure(rows):
+    """The defaults' median at each re-measurement (x: trials finished then), one line per metric and
+    workload point: how much the machine drifted while the study ran."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    rows = rows.assign(after=[json.loads(e).get("after_trials", 0) if isinstance(e, str) else 0 for e in rows["extra"]],
+                       point=[workload_label(w) for w in rows["workload"]])
+    for (metric, point), sel in rows.groupby(["metric", "point"], sort=False):
+        title, scale = _axis(sel)
+        sel = sel.sort_values("after")
+        fig.add_scatter(x=sel["after"], y=sel["median"] * scale, mode="lines+markers",
+                        name=f"{title} @ {point}" if point else title)
+    fig.update_xaxes(title="trials finished")
+    fig.update_yaxes(title=f"the defaults' median: {_axis(rows)[0]}")  # a study's metrics share a unit
     return fig
 
 

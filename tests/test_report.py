@@ -161,3 +161,24 @@ def test_study_and_compare_pages_name_workloads(tmp_path):
     compare = _text((out / "compare.html").read_text())
     assert "<td>io 128/32</td><td>decode</td>" in compare and "tokens/s" in compare
     assert json.dumps(OBJECTIVE) not in compare
+
+
+def test_study_page_draws_the_defaults_drift(tmp_path):
+    """The defaults re-measured through a study (suite autotune-defaults) are drawn on its page."""
+    res = tmp_path / "res"
+    append_rows([{"study": STUDY, "trial": t, "metric": "tpot_s", "unit": "s", "direction": "minimize",
+                  "workload": OBJECTIVE, "samples": [0.1], "knobs": {"threads": 1}} for t in range(3)],
+                "autotune", directory=res)
+    point = {"prompt": 128, "decode": 16, "batch": 1}
+    append_rows([{"study": STUDY, "metric": "tpot_s", "unit": "s", "direction": "minimize", "workload": point,
+                  "samples": [0.02 * (1 + 0.1 * k)] * 3, "extra": {"after_trials": 5 * k}} for k in range(3)],
+                "autotune-defaults", directory=res)
+    out = build_report(tmp_path / "rep", res, tmp_path / "none")
+    study = (out / f"study-{STUDY}.html").read_text()
+    assert 'id="drift"' in study and "trials finished" in study
+    from dashboards.report import drift_figure
+
+    rows = read_results(res)
+    fig = drift_figure(rows[rows["suite"] == "autotune-defaults"])
+    assert list(fig.data[0].x) == [0, 5, 10] and [round(y, 3) for y in fig.data[0].y] == [20.0, 22.0, 24.0]
+    assert "prompt 128" in fig.data[0].name
