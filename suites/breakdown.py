@@ -98,12 +98,30 @@ class OpTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.log: list[tuple] = []
+        self.wrapped_calls = 0
         self._keys = {id(w): k for k, w in model.w.items()}
         self._keys.update({id(w): f"layers.{i}.router" for i, w in model.routers.items()})
         self._wrapped = {}
 
     def reset(self) -> None:
         self.seconds, self.calls, self.log = defaultdict(float), defaultdict(int), []
+        self.wrapped_calls = 0  # calls through the Python wrappers (the timer overhead counts these)
+
+    def add_runner_step(self, runner) -> None:
+        """graph_mode=cpp: one decode step of the C++ runner (engine/cpp_runner.py), its kernel calls
+        timed inside it; each goes to its part, and the weights they read to the log."""
+        for part, (seconds, calls) in runner.runner.parts().items():
+            self.seconds[part] += seconds
+            self.calls[part] += calls
+        for i, by_slot in enumerate(runner.layer_weights):
+            for slot, w in by_slot.items():
+                if slot == "ffn1" and ".experts." in self._keys.get(id(w), ""):
+                    self.log.append(("fused_moe_used", "fused_moe", (w, by_slot["w2"], runner.runner.experts_used[i])))
+                elif slot != "w2":
+                    self.log.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
+            for t in (runner.model.w_uk[i], runner.model.w_uv[i]):  # read as float32 copies
+                self.log.append(("head_linear_f32", "head_linear", (None, t)))
+        self.log.append(("kv_bytes", "attention", (runner.runner.kv_bytes * len(runner.layer_weights),)))  # per layer
 
     def __getattr__(self, name: str):
         fn = getattr(self._ops, name)
@@ -127,6 +145,7 @@ class OpTimer:
             part = _linear_part(self._keys.get(id(args[1]), "")) if name == "linear" else OP_PART.get(name, name)
             self.seconds[part] += dt
             self.calls[part] += 1
+            self.wrapped_calls += 1
             self.log.append((name, part, args))
             return out
         return timed
@@ -137,6 +156,13 @@ class OpTimer:
         for name, part, args in self.log:
             if name in ("linear", "head_linear"):
                 groups[_byte_group(part)] += _nbytes(args[1])
+            elif name == "head_linear_f32":
+                groups[_byte_group(part)] += args[1].numel() * 4
+            elif name == "fused_moe_used":
+                w13, w2, used = args
+                groups["routed_experts"] += (_nbytes(w13) + _nbytes(w2)) * used // w13.shape[0]
+            elif name == "kv_bytes":
+                kv += args[0]
             elif name == "fused_moe":
                 w13, w2, ids = args[1], args[2], args[4]
                 used = int(torch.unique(ids).numel())
@@ -192,16 +218,29 @@ def timed_model(llm):
             timer.tokens += sum(len(t) for t in new_tokens)
 
     model.ops, llm._step = timer, step
+    runner = getattr(model, "runner", None)  # graph_mode=cpp: decode steps run in the C++ runner
+    if runner is not None:
+        real_forward = runner.forward
+
+        def forward(batch, cache):
+            out = real_forward(batch, cache)
+            timer.add_runner_step(runner)
+            return out
+
+        runner.runner.timing, runner.forward = True, forward
     try:
         yield timer
     finally:
         model.ops = timer._ops
         del llm._step  # the instance attribute: back to the class's method
+        if runner is not None:
+            runner.runner.timing = False
+            del runner.forward
 
 
 def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row: int) -> dict:
     """One repeat's figures per step: parts (adding up to total), bytes."""
-    calls = sum(timer.calls.values())
+    calls = timer.wrapped_calls
     parts = {p: timer.seconds.get(p, 0.0) / steps for p in PARTS}
     parts["timer_overhead"] = calls * overhead / steps
     parts["rest.model"] = (timer.forward_s - sum(timer.seconds.values()) - calls * overhead) / steps
@@ -296,6 +335,7 @@ def summarize(llm, samples: dict, prompt_len: int, decode: int, batch: int, over
     return {"prompt_len": prompt_len, "decode_steps": decode, "batch": batch, "repeats": len(samples["decode"]),
             "layers": c.num_hidden_layers, "timer_overhead_per_call_s": overhead,
             "backend": llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
+            "graph_mode": "cpp" if getattr(llm.model, "runner", None) is not None else "eager",
             "threads": {"prefill": llm.knobs["threads_prefill"], "decode": llm.knobs["threads_decode"]},
             "phases": phases}
 
@@ -369,6 +409,9 @@ def table(result: dict, title: str) -> str:
                      f"per layer [{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
     lines.append(f"\n(timer overhead ≈ {result['timer_overhead_per_call_s'] * 1e6:.2f} µs per op call, "
                  "shown as its own part and not in the rest)")
+    if result.get("graph_mode") == "cpp":
+        lines.append("(graph_mode=cpp: decode steps ran every layer in one call of the C++ runner; its kernel "
+                     "calls were timed inside it into their parts, and its own glue between them is in rest.model)")
     return "\n".join(lines)
 
 
