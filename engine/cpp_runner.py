@@ -3,8 +3,8 @@
 The runner (kernels/cpu/csrc/runner.cpp, `DecodeRunner`) holds every layer's weights, handed over
 once here at load, and runs absorbed MLA (q/kv projections, norms, RoPE, head_linear, mla_decode with
 the fused cache write, o_proj) and the MoE (router, grouped top-k, fused MoE, shared experts) or dense
-FFN of every layer, calling the kernels directly. Python keeps the embedding, the rotary angles, the
-step's cache metadata, and (in DeepseekV3.logits) lm_head.
+FFN of every layer, calling the kernels directly; it also embeds the tokens and computes the rotary
+angles. Python keeps the step's cache metadata (Batch) and, in DeepseekV3.logits, lm_head.
 
 Per-call knobs: each call site's SitePlan (engine/kernel_tables.py, through TunedOps) chooses its
 struct by the step's bucket exactly as on the eager path; the chosen structs are registered with the
@@ -15,7 +15,8 @@ format, tokens, the struct it used, the ISA variants) into the recording, as the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+_HOST = torch.device("cpu")
 
 
 def unsupported(model) -> str | None:
@@ -92,6 +93,7 @@ class CppDecodeRunner:
                    "kv_a_norm": w[p + "kv_a_norm"], "ffn_norm": w[p + "ffn_norm"], "next_norm": next_norm,
                    "w_uk": model.w_uk[i], "w_uv": model.w_uv[i], "bias": w.get(p + "router_bias")}
             self.runner.add_layer(lin, ten, moe)
+        self.runner.set_embedding(w["embed"], model.rotary.inv_freq, model.rotary.factor)
         self._keys: dict[tuple, int] = {}
         self._structs: dict[int, list] = {}
         self._default = cpu.make_knobs()
@@ -134,14 +136,11 @@ class CppDecodeRunner:
 
     def forward(self, batch, cache) -> torch.Tensor:
         """Hidden states after the final norm [T, D] for a decode-only batch (one token per sequence)."""
-        m = self.model
-        x = F.embedding(batch.token_ids, m.w["embed"])
-        cos, sin = m.rotary(batch.positions)
-        tables, lens = batch.decode_rows(x.device)
-        key = self._key(x.shape[0], int(lens.max()))
+        tables, lens = batch.decode_rows(_HOST)
+        key = self._key(lens.shape[0], int(lens.max()))
         recording = self._cpu.is_recording()
         self.runner.recording = recording
-        h = self.runner.forward(x, cos, sin, cache.layers, tables, lens, batch.slots, key)
+        h = self.runner.forward(batch.token_ids, batch.positions, cache.layers, tables, lens, batch.slots, key)
         if recording:
             self._replay(key)
         return h

@@ -20,7 +20,6 @@
 #include <limits>
 #include <map>
 #include <unordered_map>
-#include <ATen/ops/bmm.h>
 #include <c10/util/BFloat16.h>
 #include "ops.h"
 
@@ -69,7 +68,7 @@ Lin to_lin(const py::object& o) {
 struct Layer {
   Lin q_a, q_b, kv_a, o, w13, w2, sh_gu, sh_down, gu, down, router;  // q_b: q_b_proj, or q_proj without q_lora
   at::Tensor attn_norm, q_a_norm, kv_a_norm, ffn_norm, next_norm;    // float32, values of the model dtype
-  at::Tensor w_ukT, w_uvT;                                           // float32 [H, N, R], [H, R, V]
+  at::Tensor w_uk, w_uv;                                             // [H, R, N], [H, V, R] in the model dtype
   at::Tensor bias;                                                   // router correction bias float32, or undefined
   bool moe = false;
 };
@@ -121,6 +120,14 @@ class DecodeRunner {
         topk_(topk), n_group_(n_group), topk_group_(topk_group), sigmoid_(sigmoid), renorm_(renorm),
         scaling_((float)scaling), bf_(bf16), serial_below_(serial_below) {}
 
+  // The token embedding [vocab, D] (model dtype) and the rotary angles (engine/rope.py): inv_freq [P/2],
+  // cos/sin scaled by `factor`.
+  void set_embedding(const at::Tensor& embed, const at::Tensor& inv_freq, double factor) {
+    embed_ = embed.contiguous();
+    inv_freq_ = inv_freq.to(at::kFloat).contiguous();
+    rope_factor_ = (float)factor;
+  }
+
   void add_layer(const py::dict& lin, const py::dict& ten, bool moe) {
     Layer L;
     auto get = [&](const char* k) { return lin.contains(k) ? to_lin(lin[k]) : Lin(); };
@@ -134,8 +141,8 @@ class DecodeRunner {
     L.gu = get("gu"), L.down = get("down"), L.router = get("router");
     L.attn_norm = norm("attn_norm"), L.q_a_norm = norm("q_a_norm"), L.kv_a_norm = norm("kv_a_norm");
     L.ffn_norm = norm("ffn_norm"), L.next_norm = norm("next_norm");
-    L.w_ukT = ten["w_uk"].cast<at::Tensor>().to(at::kFloat).transpose(1, 2).contiguous();  // [H, N, R]
-    L.w_uvT = ten["w_uv"].cast<at::Tensor>().to(at::kFloat).transpose(1, 2).contiguous();  // [H, R, V]
+    L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, R, N]
+    L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, V, R]
     if (ten.contains("bias") && !ten["bias"].is_none()) L.bias = ten["bias"].cast<at::Tensor>().to(at::kFloat).contiguous();
     L.moe = moe;
     TORCH_CHECK(L.q_b.fmt >= 0 && L.kv_a.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
@@ -155,16 +162,18 @@ class DecodeRunner {
   }
   bool has_knobs(int64_t key) const { return knobs_.count(key) > 0; }
 
-  // x [T, D] (the embedded tokens, model dtype); cos/sin [T, P/2] float32; cache [L, NB, BS, R + P];
-  // tables [T, MB] int32; lens [T] int32; slots [T] int64. Returns the final-norm hidden [T, D].
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
+  // ids [T] int64 (one new token per sequence); positions [T] int64; cache [L, NB, BS, R + P];
+  // tables [T, MB] int32; lens [T] int32; slots [T] int64. Returns the final-norm hidden [T, D] (model dtype).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
                      const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
+    const auto t_start = tic();
     auto it = knobs_.find(key);
     TORCH_CHECK(it != knobs_.end(), "runner: no knobs registered for bucket ", key);
+    TORCH_CHECK(embed_.defined(), "runner: no embedding (set_embedding)");
     const auto& kn = it->second;
-    const int64_t T = x.size(0), D = D_, L = (int64_t)layers_.size();
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && cos.size(0) == T && tables.size(0) == T && lens.numel() == T &&
-                    slots.numel() == T && cache.size(0) == L,
+    const int64_t T = ids.numel(), D = D_, L = (int64_t)layers_.size();
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && positions.numel() == T &&
+                    tables.size(0) == T && lens.numel() == T && slots.numel() == T && cache.size(0) == L,
                 "runner: bad step shapes");
     if (cache.data_ptr() != cache_ptr_ || cache.sizes() != cache_sizes_) {  // per-layer views, once per cache
       cache_ptr_ = cache.data_ptr();
@@ -181,14 +190,32 @@ class DecodeRunner {
     std::fill(part_s_, part_s_ + kParts, 0.0);
     std::fill(part_n_, part_n_ + kParts, 0);
     experts_used_.assign(L, 0);
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const at::Tensor cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
+    // the embedding rows and the rotary angles: as F.embedding and RotaryAngles (engine/rope.py)
+    residual_.resize(T * D);
+    const int64_t half = P_ / 2, vocab = embed_.size(0);
+    cos_.resize(T * half), sin_.resize(T * half);
+    const int64_t* idp = ids.contiguous().data_ptr<int64_t>();
+    const int64_t* pp = positions.contiguous().data_ptr<int64_t>();
+    const float* inv = inv_freq_.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab, "runner: token id ", idp[t], " outside the vocabulary");
+      if (bf_) {
+        const c10::BFloat16* e = embed_.data_ptr<c10::BFloat16>() + idp[t] * D;
+        for (int64_t k = 0; k < D; ++k) residual_[t * D + k] = (float)e[k];
+      } else {
+        std::memcpy(residual_.data() + t * D, embed_.data_ptr<float>() + idp[t] * D, D * sizeof(float));
+      }
+      for (int64_t i = 0; i < half; ++i) {
+        const float ang = (float)pp[t] * inv[i];
+        cos_[t * half + i] = std::cos(ang) * rope_factor_;
+        sin_[t * half + i] = std::sin(ang) * rope_factor_;
+      }
+    }
     const at::Tensor lens_c = lens.to(at::kInt).contiguous(), tables_c = tables.to(at::kInt).contiguous();
     const at::Tensor slots_c = slots.to(at::kLong).contiguous();
     int64_t kv_tokens = 0;
     for (int64_t t = 0; t < T; ++t) kv_tokens += lens_c.data_ptr<int32_t>()[t];
     kv_bytes_ = kv_tokens * cache.size(-1) * cache.element_size();
-    residual_.assign(xf.data_ptr<float>(), xf.data_ptr<float>() + T * D);
     h_.resize(T * D);
     {
       const auto t0 = tic();
@@ -197,13 +224,14 @@ class DecodeRunner {
       toc(pNorms, t0);
     }
     for (int64_t i = 0; i < L; ++i) {
-      attention(i, T, cf, sf, tables_c, lens_c, slots_c, kn[i]);
+      attention(i, T, tables_c, lens_c, slots_c, kn[i]);
       add_norm(T, a_.data(), layers_[i].ffn_norm);
       if (layers_[i].moe) moe(i, T, kn[i]); else dense(i, T, kn[i]);
       add_norm(T, m_.data(), layers_[i].next_norm);
     }
     at::Tensor out = at::empty({T, D}, at::kFloat);
     std::memcpy(out.data_ptr<float>(), h_.data(), T * D * sizeof(float));
+    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
     return bf_ ? out.to(at::kBFloat16) : out;
   }
 
@@ -214,6 +242,7 @@ class DecodeRunner {
   int64_t part_n_[kParts] = {};
   std::vector<int64_t> experts_used_;
   int64_t kv_bytes_ = 0;
+  double total_s_ = 0;  // the last step's whole call (timing on)
   int64_t serial_below_;
 
   py::dict parts() const {
@@ -237,7 +266,9 @@ class DecodeRunner {
   std::vector<int64_t> cache_sizes_;
   std::vector<at::Tensor> kviews_, vviews_, cviews_;
   // step buffers, reused across steps
-  std::vector<float> residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
+  at::Tensor embed_, inv_freq_;
+  float rope_factor_ = 1.f;
+  std::vector<float> cos_, sin_, residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
   std::vector<int64_t> ids_;
   std::vector<float> tw_;
 
@@ -294,25 +325,42 @@ class DecodeRunner {
     toc(pNorms, t0);
   }
 
-  // out [T, H, B] = per head w[h] · x[t, h]: x rows of ld floats per head at stride hs (first A used),
-  // wT [H, A, B]; rounded to the model dtype, written at out + (t * H + h) * ldo.
-  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& wT, float* out, int64_t ldo) {
+  // out [T, H, B] = per head w[h] · x[t, h] (kernels/reference.head_linear): x rows of A floats per head at
+  // stride hs, w [H, B, A] in the model dtype (converted in registers), float32 sums, rounded to the model
+  // dtype, written at out + (t * H + h) * ldo. Heads in parallel when w is large enough.
+  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& w, float* out, int64_t ldo) {
     const auto t0 = tic();
-    const int64_t B = wT.size(2);
-    at::Tensor xt = at::from_blob(const_cast<float*>(x), {H_, T, A}, {hs, H_ * hs, 1}, at::kFloat);
-    at::Tensor y = at::bmm(xt, wT).contiguous();  // [H, T, B]
-    const float* yp = y.data_ptr<float>();
-    for (int64_t h = 0; h < H_; ++h)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t b = 0; b < B; ++b) out[(t * H_ + h) * ldo + b] = rnd(yp[(h * T + t) * B + b], bf_);
+    const int64_t B = w.size(1), H = H_;
+    const bool wbf = w.scalar_type() == at::kBFloat16;
+    const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+    const int64_t esz = wbf ? 2 : 4;
+    const bool par = !serial((int64_t)w.nbytes()) && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* row = wp + ((h * B + b) * A) * esz;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xr = x + (t * H + h) * hs;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t a = 0; a < A; a += 16) {
+            const __mmask16 m = tail_mask16(A - a);
+            const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t*)row + a)), 16))
+                                  : _mm512_maskz_loadu_ps(m, (const float*)row + a);
+            acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, xr + a), acc);
+          }
+          out[(t * H + h) * ldo + b] = rnd(hsum(acc), bf_);
+        }
+      }
+    }
     toc(pHead, t0);
   }
 
-  void attention(int64_t i, int64_t T, const at::Tensor& cf, const at::Tensor& sf, const at::Tensor& tables,
-                 const at::Tensor& lens, const at::Tensor& slots, const std::vector<Knobs>& kn) {
+  void attention(int64_t i, int64_t T, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots,
+                 const std::vector<Knobs>& kn) {
     const Layer& L = layers_[i];
     const int64_t Dq = Nn_ + P_, W = R_ + P_, half = P_ / 2;
-    const float *cp = cf.data_ptr<float>(), *sp = sf.data_ptr<float>();
+    const float *cp = cos_.data(), *sp = sin_.data();
     // q [T, H, N + P]
     q_.resize(T * H_ * Dq);
     if (L.q_a.fmt >= 0) {
@@ -345,7 +393,7 @@ class DecodeRunner {
       }
       toc(pRope, t0);
     }
-    head_linear(q_.data(), T, Nn_, Dq, L.w_ukT, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
+    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
     const auto t0 = tic();
     at::Tensor out_lat;
     {
@@ -360,7 +408,7 @@ class DecodeRunner {
     float* ol = out_lat.data_ptr<float>();  // [T, H, R]
     round_all(ol, T * H_ * R_);
     oin_.resize(T * H_ * V_);
-    head_linear(ol, T, R_, R_, L.w_uvT, oin_.data(), V_);  // [T, H, V]
+    head_linear(ol, T, R_, R_, L.w_uv, oin_.data(), V_);  // [T, H, V]
     a_.resize(T * D_);
     linear(L.o, oin_.data(), T, a_.data(), kn[kO], bf_, pLinAttn, i, kO);
     round_all(a_.data(), T * D_);
@@ -494,6 +542,8 @@ void bind_runner(py::module_& m) {
       .def("add_layer", &DecodeRunner::add_layer, "one layer's weights (kernel argument tuples) and tensors")
       .def("set_knobs", &DecodeRunner::set_knobs, "the knob structs of one bucket: per layer, one per slot")
       .def("has_knobs", &DecodeRunner::has_knobs)
+      .def("set_embedding", &DecodeRunner::set_embedding, "the token embedding and the rotary angles' inv_freq, factor")
+      .def_readonly("total_seconds", &DecodeRunner::total_s_)
       .def("forward", &DecodeRunner::forward, py::call_guard<py::gil_scoped_release>())
       .def_readwrite("timing", &DecodeRunner::timing)
       .def_readwrite("recording", &DecodeRunner::recording)
