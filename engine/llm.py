@@ -214,8 +214,8 @@ class LLM:
         batch = self._batch([r.seq for r in reqs], new_tokens)
         self._set_threads(batch.is_decode)
         with torch.inference_mode():
-            hidden = self.model.forward(batch, self.cache)
-            return self.model.logits(hidden[batch.last_token_index()])
+            hidden = self.model.forward(batch, self.cache)  # decode: every row is a last token
+            return self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
 
     def _set_threads(self, decode_only: bool) -> None:
         """Intra-op threads for this step: knob threads_decode for a decode-only step, else
