@@ -49,7 +49,7 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
          "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
          "sequence's result never depends on what it is batched with (slow; for reproducibility)",
          choices=(False, True), tune=False),
-    Knob("graph_mode", str, "eager", "engine",
+    Knob("graph_mode", str, "cpp", "engine",
          "how a decode-only step on the cpu kernels runs its decoder layers: one Python call per op "
          "(eager), or every layer in one call of the C++ decode runner (cpp; kernels/cpu/csrc/runner.cpp). "
          "Steps with prompt tokens, batch_invariant and other backends always run eager",

@@ -128,8 +128,8 @@ class OpTimer:
                     self.log.append(("fused_moe_used", "fused_moe", (w, by_slot["w2"], runner.runner.experts_used[i])))
                 elif slot != "w2":
                     self.log.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
-            for t in (runner.model.w_uk[i], runner.model.w_uv[i]):  # read as float32 copies
-                self.log.append(("head_linear_f32", "head_linear", (None, t)))
+            for t in (runner.model.w_uk[i], runner.model.w_uv[i]):
+                self.log.append(("head_linear", "head_linear", (None, t)))
         self.log.append(("kv_bytes", "attention", (runner.runner.kv_bytes * len(runner.layer_weights),)))  # per layer
 
     def __getattr__(self, name: str):
@@ -165,8 +165,6 @@ class OpTimer:
         for name, part, args in self.log:
             if name in ("linear", "head_linear"):
                 groups[_byte_group(part)] += _nbytes(args[1])
-            elif name == "head_linear_f32":
-                groups[_byte_group(part)] += args[1].numel() * 4
             elif name == "fused_moe_used":
                 w13, w2, used = args
                 groups["routed_experts"] += (_nbytes(w13) + _nbytes(w2)) * used // w13.shape[0]

@@ -93,7 +93,7 @@ def test_eager_and_cpp_agree(dtype, bound, batch):
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 20, 33)[:batch]]
     feeds = [torch.randint(2, 512, (batch,), generator=g).tolist() for _ in range(6)]
-    eager = _teacher_forced(LLM("tiny", dtype=dtype, progress=False), prompts, feeds)
+    eager = _teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
     llm = LLM("tiny", dtype=dtype, knobs={"graph_mode": "cpp"}, progress=False)
     seen = _counted(llm)
     got = _teacher_forced(llm, prompts, feeds)
@@ -107,7 +107,7 @@ def test_eager_and_cpp_agree_on_a_grouped_softmax_model(oracle):
     _, path = oracle
     feeds = [[5, 9], [17, 3], [250, 101]]
     prompts = [PROMPT, PROMPT[:5]]
-    eager = _teacher_forced(_llm(path), prompts, feeds)
+    eager = _teacher_forced(_llm(path, graph_mode="eager"), prompts, feeds)
     got = _teacher_forced(_llm(path, graph_mode="cpp"), prompts, feeds)
     assert rel_err(got, eager) < 1e-5
 
@@ -159,7 +159,7 @@ def test_runner_stays_off_where_it_does_not_apply(knobs):
 def test_prefill_steps_stay_eager():
     llm = LLM("tiny", dtype="float32", knobs={"graph_mode": "cpp"}, progress=False)
     seen = _counted(llm)
-    eager = LLM("tiny", dtype="float32", progress=False)
+    eager = LLM("tiny", dtype="float32", knobs={"graph_mode": "eager"}, progress=False)
     assert torch.equal(llm.logits(PROMPT), eager.logits(PROMPT))
     assert seen == []
 
@@ -168,7 +168,7 @@ def test_breakdown_attributes_the_runners_calls():
     from suites import breakdown
 
     llm = LLM("tiny", dtype="bfloat16", knobs={"graph_mode": "cpp", "threads": 1}, progress=False)
-    eager = breakdown.measure(LLM("tiny", dtype="bfloat16", knobs={"threads": 1}, progress=False),
+    eager = breakdown.measure(LLM("tiny", dtype="bfloat16", knobs={"threads": 1, "graph_mode": "eager"}, progress=False),
                               prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     r = breakdown.measure(llm, prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     assert r["graph_mode"] == "cpp" and eager["graph_mode"] == "eager"
@@ -185,3 +185,21 @@ def test_breakdown_attributes_the_runners_calls():
         assert groups[g] == want[g], g
     assert dec["kv_bytes_per_token"]["median"] == ref["kv_bytes_per_token"]["median"]
     assert "C++ runner" in breakdown.table(breakdown.add_bandwidth(r, None), "t")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])  # the formats `moetune quantize` writes
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
+    """The runner calls the same kernels on every weight format (INT8 w8a8 quantizes the activations
+    it hands over, so the rounding points must agree too): float32 1e-5, bfloat16 1e-2 relative."""
+    from engine.weights.quantize import quantize_checkpoint
+
+    src = save_checkpoint(build_hf_model("v3_base"), tmp_path_factory.mktemp("src"))
+    q = quantize_checkpoint(src, tmp_path_factory.mktemp(fmt) / fmt, fmt, progress=False)
+    prompts, feeds = [PROMPT, PROMPT[:4]], [[5, 9], [17, 3], [250, 101], [7, 7]]
+    eager = _teacher_forced(_llm(q, dtype, graph_mode="eager"), prompts, feeds)
+    llm = _llm(q, dtype, graph_mode="cpp")
+    seen = _counted(llm)
+    got = _teacher_forced(llm, prompts, feeds)
+    assert seen == [2] * 4
+    assert rel_err(got, eager) < (1e-5 if dtype == "float32" else 1e-2)
