@@ -25,7 +25,8 @@ Parts of a step (seconds; per repeat they add up exactly to the step's wall time
       each kernel call inside it (steady_clock) into the parts above, so a decode step's parts mean the
       same in both modes (calls: the runner's kernel calls);
     rest.scheduler: the step outside LLM._step (scheduling, sampling, detokenization, stop strings);
-    timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand).
+    timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand; with
+      graph_mode=cpp also the time spent reading the runner's timings back after each step).
 "The rest" = rest.model + rest.runner + rest.scheduler; fixed cost per layer = the decode step's rest ÷
 layers (per-step costs included: on a 2-layer model they dominate it).
 
@@ -103,7 +104,7 @@ class OpTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.log: list[tuple] = []
-        self.wrapped_calls, self.runner_glue = 0, 0.0
+        self.wrapped_calls, self.runner_glue, self.runner_accounting = 0, 0.0, 0.0
         self._keys = {id(w): k for k, w in model.w.items()}
         self._keys.update({id(w): f"layers.{i}.router" for i, w in model.routers.items()})
         self._wrapped = {}
@@ -112,6 +113,7 @@ class OpTimer:
         self.seconds, self.calls, self.log = defaultdict(float), defaultdict(int), []
         self.wrapped_calls = 0  # calls through the Python wrappers (the timer overhead counts these)
         self.runner_glue = 0.0  # graph_mode=cpp: time inside the C++ runner outside its kernel calls
+        self.runner_accounting = 0.0  # graph_mode=cpp: reading the runner's timings back (timer overhead)
 
     def add_runner_step(self, runner) -> None:
         """graph_mode=cpp: one decode step of the C++ runner (engine/cpp_runner.py), its kernel calls
@@ -231,7 +233,9 @@ def timed_model(llm):
 
         def forward(batch, cache):
             out = real_forward(batch, cache)
+            t0 = time.perf_counter()
             timer.add_runner_step(runner)
+            timer.runner_accounting += time.perf_counter() - t0  # the timer's own cost, not the model's
             return out
 
         runner.runner.timing, runner.forward = True, forward
@@ -249,9 +253,10 @@ def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row:
     """One repeat's figures per step: parts (adding up to total), bytes."""
     calls = timer.wrapped_calls
     parts = {p: timer.seconds.get(p, 0.0) / steps for p in PARTS}
-    parts["timer_overhead"] = calls * overhead / steps
+    parts["timer_overhead"] = (calls * overhead + timer.runner_accounting) / steps
     parts["rest.runner"] = timer.runner_glue / steps
-    parts["rest.model"] = (timer.forward_s - sum(timer.seconds.values()) - calls * overhead - timer.runner_glue) / steps
+    parts["rest.model"] = (timer.forward_s - sum(timer.seconds.values()) - calls * overhead - timer.runner_glue
+                           - timer.runner_accounting) / steps
     parts["rest.scheduler"] = (wall - timer.forward_s) / steps
     parts["total"] = wall / steps
     groups, kv = timer.step_bytes()
@@ -425,7 +430,7 @@ def table(result: dict, title: str) -> str:
                  "shown as its own part and not in the rest)")
     if result.get("graph_mode") == "cpp":
         lines.append("(graph_mode=cpp: decode steps ran every layer in one call of the C++ runner; its kernel "
-                     "calls were timed inside it into their parts, and its own glue between them is in rest.model)")
+                     "calls were timed inside it into their parts, its own glue between them is rest.runner)")
     return "\n".join(lines)
 
 
