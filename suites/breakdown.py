@@ -124,14 +124,20 @@ class OpTimer:
             self.calls[part] += calls
             inside += seconds
         self.runner_glue += runner.runner.total_seconds - inside
-        for i, by_slot in enumerate(runner.layer_weights):
-            for slot, w in by_slot.items():
-                if slot == "ffn1" and ".experts." in self._keys.get(id(w), ""):
-                    self.log.append(("fused_moe_used", "fused_moe", (w, by_slot["w2"], runner.runner.experts_used[i])))
-                elif slot != "w2":
-                    self.log.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
-            for t in (runner.model.w_uk[i], runner.model.w_uv[i]):
-                self.log.append(("head_linear", "head_linear", (None, t)))
+        if getattr(self, "_runner_log", (None,))[0] is not runner:  # the calls every step makes, once
+            fixed, moe = [], []
+            for i, by_slot in enumerate(runner.layer_weights):
+                for slot, w in by_slot.items():
+                    if slot == "ffn1" and ".experts." in self._keys.get(id(w), ""):
+                        moe.append((i, w, by_slot["w2"]))
+                    elif slot != "w2":
+                        fixed.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
+                fixed += [("head_linear", "head_linear", (None, t)) for t in (runner.model.w_uk[i], runner.model.w_uv[i])]
+            self._runner_log = (runner, fixed, moe)
+        _, fixed, moe = self._runner_log
+        self.log += fixed
+        used = runner.runner.experts_used
+        self.log += [("fused_moe_used", "fused_moe", (w13, w2, used[i])) for i, w13, w2 in moe]
         self.log.append(("kv_bytes", "attention", (runner.runner.kv_bytes * len(runner.layer_weights),)))  # per layer
 
     def __getattr__(self, name: str):

@@ -3,10 +3,12 @@
 - Against transformers (tests/hf_oracle.py checkpoints: dense first layers, q_lora_rank None, sigmoid
   with bias and softmax routing, group limits, yarn): float32 logits of every decode step within the
   eager oracle test's bound (1e-4 relative), greedy tokens equal.
-- Against the eager path, teacher-forced (both fed the same tokens) over several decode steps, batch 1
-  and 3: float32 within 1e-5 relative per step; bfloat16 within 1e-2 relative per step (the two round
-  at the same points; they differ only in summation order inside head_linear, routing and SiLU's exp,
-  which bf16 rounding can amplify by one unit in the last place of an activation).
+- Against the eager path, teacher-forced (both fed the same tokens) over several decode steps, batch 1,
+  3 and 34 (the GEMM path): float32 within 1e-5 relative per row and step (measured ≤ 3e-7);
+  bfloat16 within 5e-3 (measured: bitwise equal at batch 1 and 3, 1.3e-3 at 34). The two round at
+  the same points; they differ only in summation order (head_linear, the GEMM path's activation
+  conversion) and in exp / cos / sin implementations (routing, SiLU, rotary angles), which a bf16
+  rounding can turn into one unit in the last place of an activation.
 - The serial threshold (cpu_serial_below_bytes) changes no result bit.
 - A kernel-table value and a command-line knob reach the runner's calls (kernels.cpu.recording()).
 - Where the runner does not apply (prefill, batch_invariant, the reference backend, mla_absorb=never)
@@ -87,7 +89,7 @@ def test_greedy_tokens_match_transformers(oracle):
     assert out.token_ids == hf_greedy(model, PROMPT, 8)
 
 
-@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 5e-3)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eager_and_cpp_agree(dtype, bound, batch):
     g = torch.Generator().manual_seed(batch)
@@ -179,7 +181,8 @@ def test_breakdown_attributes_the_runners_calls():
         assert dec["parts"][part]["calls"] > 0 and dec["parts"][part]["median"] > 0, part
     assert dec["parts"]["head_linear"]["calls"] == ref["parts"]["head_linear"]["calls"]
     assert dec["parts"]["fused_moe"]["calls"] == ref["parts"]["fused_moe"]["calls"]
-    assert dec["parts"]["timer_overhead"]["median"] < ref["parts"]["timer_overhead"]["median"]  # only lm_head wrapped
+    assert dec["parts"]["rest.runner"]["median"] > 0 and ref["parts"]["rest.runner"]["median"] == 0
+    assert dec["runner_glue_per_layer"]["median"] * 2 == dec["parts"]["rest.runner"]["median"]
     groups, want = dec["bytes_by_group"], ref["bytes_by_group"]
     for g in ("dense", "routed_experts", "shared_experts", "router", "lm_head", "embed"):
         assert groups[g] == want[g], g
@@ -191,7 +194,7 @@ def test_breakdown_attributes_the_runners_calls():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
     """The runner calls the same kernels on every weight format (INT8 w8a8 quantizes the activations
-    it hands over, so the rounding points must agree too): float32 1e-5, bfloat16 1e-2 relative."""
+    it hands over, so the rounding points must agree too): float32 1e-5, bfloat16 5e-3 relative."""
     from engine.weights.quantize import quantize_checkpoint
 
     src = save_checkpoint(build_hf_model("v3_base"), tmp_path_factory.mktemp("src"))
@@ -202,4 +205,21 @@ def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
     seen = _counted(llm)
     got = _teacher_forced(llm, prompts, feeds)
     assert seen == [2] * 4
-    assert rel_err(got, eager) < (1e-5 if dtype == "float32" else 1e-2)
+    assert rel_err(got, eager) < (1e-5 if dtype == "float32" else 5e-3)
+
+
+@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 5e-3)])
+def test_eager_and_cpp_agree_on_the_gemm_path(dtype, bound):
+    """34 sequences: every linear of the step has ≥ cpu_gemm_min_tokens (32) rows, so the runner's
+    linears take the unpack + BLAS path (and the router's float32 one)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 512, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (34,), generator=g)]
+    feeds = [torch.randint(2, 512, (34,), generator=g).tolist() for _ in range(2)]
+    eager = _teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
+    llm = LLM("tiny", dtype=dtype, knobs={"graph_mode": "cpp"}, progress=False)
+    seen = _counted(llm)
+    got = _teacher_forced(llm, prompts, feeds)
+    assert seen == [34, 34]
+    for k in range(2):
+        for b in range(34):
+            assert rel_err(got[k, b], eager[k, b]) < bound, (k, b)
