@@ -52,7 +52,7 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
     Knob("graph_mode", str, "cpp", "engine",
          "how a decode-only step on the cpu kernels runs its decoder layers: one Python call per op "
          "(eager), or every layer in one call of the C++ decode runner (cpp; kernels/cpu/csrc/runner.cpp). "
-         "Steps with prompt tokens, batch_invariant and other backends always run eager",
+         "Steps with prompt tokens, batch_invariant, mla_absorb=never and other backends always run eager",
          choices=("eager", "cpp")),
 )
 
