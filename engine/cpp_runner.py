@@ -4,7 +4,7 @@ The runner (kernels/cpu/csrc/runner.cpp, `DecodeRunner`) holds every layer's wei
 once here at load, and runs absorbed MLA (q/kv projections, norms, RoPE, head_linear, mla_decode with
 the fused cache write, o_proj) and the MoE (router, grouped top-k, fused MoE, shared experts) or dense
 FFN of every layer, calling the kernels directly; it also embeds the tokens and computes the rotary
-angles. Python keeps the step's cache metadata (Batch) and, in DeepseekV3.logits, lm_head.
+angles, and (`logits`, what LLM._step calls) lm_head. Python keeps the step's cache metadata (Batch).
 
 Per-call knobs: each call site's SitePlan (engine/kernel_tables.py, through TunedOps) chooses its
 struct by the step's bucket exactly as on the eager path; the chosen structs are registered with the
@@ -94,6 +94,10 @@ class CppDecodeRunner:
                    "w_uk": model.w_uk[i], "w_uv": model.w_uv[i], "bias": w.get(p + "router_bias")}
             self.runner.add_layer(lin, ten, moe)
         self.runner.set_embedding(w["embed"], model.rotary.inv_freq, model.rotary.factor)
+        self.lm_head = w["lm_head"]
+        self.has_lm_head = isinstance(self.lm_head, cpu.Packed) and self.lm_head.args[1].dim() == 2
+        if self.has_lm_head:  # else `logits` is unavailable and the step runs lm_head in Python
+            self.runner.set_lm_head(self.lm_head.args)
         self._keys: dict[tuple, int] = {}
         self._structs: dict[int, list] = {}
         self._default = cpu.make_knobs()
@@ -128,6 +132,9 @@ class CppDecodeRunner:
                     arg = ch.arg if ch is not None else None
                     row.append(arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg))
                 structs.append(row)
+            head = self._choice(self.lm_head, tokens) if self.has_lm_head else None
+            arg = head.arg if head is not None else None
+            structs.append([arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg)] * len(self.slots))
             self.runner.set_knobs(key, structs)
             self._structs[key] = structs
         return key
@@ -136,14 +143,21 @@ class CppDecodeRunner:
 
     def forward(self, batch, cache) -> torch.Tensor:
         """Hidden states after the final norm [T, D] for a decode-only batch (one token per sequence)."""
+        return self._run(self.runner.forward, batch, cache)
+
+    def logits(self, batch, cache) -> torch.Tensor:
+        """The float32 logits [T, vocab] of a decode-only batch, lm_head included (has_lm_head)."""
+        return self._run(self.runner.forward_logits, batch, cache)
+
+    def _run(self, fn, batch, cache) -> torch.Tensor:
         tables, lens = batch.decode_rows(_HOST)
         key = self._key(lens.shape[0], int(lens.max()))
         recording = self._cpu.is_recording()
         self.runner.recording = recording
-        h = self.runner.forward(batch.token_ids, batch.positions, cache.layers, tables, lens, batch.slots, key)
+        out = fn(batch.token_ids, batch.positions, cache.layers, tables, lens, batch.slots, key)
         if recording:
             self._replay(key)
-        return h
+        return out
 
     def _replay(self, key: int) -> None:
         names = self._cpu.FORMAT_NAMES

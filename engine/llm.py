@@ -214,6 +214,9 @@ class LLM:
         batch = self._batch([r.seq for r in reqs], new_tokens)
         self._set_threads(batch.is_decode)
         with torch.inference_mode():
+            runner = self.model.runner  # graph_mode=cpp: a decode step is one call, lm_head included
+            if runner is not None and batch.is_decode and runner.has_lm_head:
+                return runner.logits(batch, self.cache)
             hidden = self.model.forward(batch, self.cache)  # decode: every row is a last token
             return self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
 

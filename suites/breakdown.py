@@ -115,7 +115,7 @@ class OpTimer:
         self.runner_glue = 0.0  # graph_mode=cpp: time inside the C++ runner outside its kernel calls
         self.runner_accounting = 0.0  # graph_mode=cpp: reading the runner's timings back (timer overhead)
 
-    def add_runner_step(self, runner) -> None:
+    def add_runner_step(self, runner, lm_head: bool) -> None:
         """graph_mode=cpp: one decode step of the C++ runner (engine/cpp_runner.py), its kernel calls
         timed inside it; each goes to its part, and the weights they read to the log."""
         inside = 0.0
@@ -138,6 +138,8 @@ class OpTimer:
         self.log += fixed
         used = runner.runner.experts_used
         self.log += [("fused_moe_used", "fused_moe", (w13, w2, used[i])) for i, w13, w2 in moe]
+        if lm_head:
+            self.log.append(("linear", "lm_head", (None, runner.lm_head)))
         self.log.append(("kv_bytes", "attention", (runner.runner.kv_bytes * len(runner.layer_weights),)))  # per layer
 
     def __getattr__(self, name: str):
@@ -235,16 +237,17 @@ def timed_model(llm):
     model.ops, llm._step = timer, step
     runner = getattr(model, "runner", None)  # graph_mode=cpp: decode steps run in the C++ runner
     if runner is not None:
-        real_forward = runner.forward
+        def timed_call(real, lm_head: bool):
+            def call(batch, cache):
+                out = real(batch, cache)
+                t0 = time.perf_counter()
+                timer.add_runner_step(runner, lm_head)
+                timer.runner_accounting += time.perf_counter() - t0  # the timer's own cost, not the model's
+                return out
+            return call
 
-        def forward(batch, cache):
-            out = real_forward(batch, cache)
-            t0 = time.perf_counter()
-            timer.add_runner_step(runner)
-            timer.runner_accounting += time.perf_counter() - t0  # the timer's own cost, not the model's
-            return out
-
-        runner.runner.timing, runner.forward = True, forward
+        runner.runner.timing = True
+        runner.forward, runner.logits = timed_call(runner.forward, False), timed_call(runner.logits, True)
     try:
         yield timer
     finally:
@@ -252,7 +255,7 @@ def timed_model(llm):
         del llm._step  # the instance attribute: back to the class's method
         if runner is not None:
             runner.runner.timing = False
-            del runner.forward
+            del runner.forward, runner.logits
 
 
 def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row: int) -> dict:

@@ -37,14 +37,14 @@ def _llm(path, dtype="float32", **knobs) -> LLM:
 def _counted(llm: LLM) -> list:
     """Counts the runner's steps (fails the test if the runner is missing)."""
     runner = llm.model.runner
-    assert runner is not None
-    seen, real = [], runner.forward
+    assert runner is not None and runner.has_lm_head
+    seen, real = [], runner.logits
 
-    def forward(batch, cache):
+    def logits(batch, cache):
         seen.append(batch.token_ids.numel())
         return real(batch, cache)
 
-    runner.forward = forward
+    runner.logits = logits
     return seen
 
 
@@ -146,8 +146,8 @@ def test_kernel_table_and_command_line_knobs_reach_the_runner():
     router = [c for c in by_op["linear"] if c["format"] == "f32"]  # the router: float32, no table row
     assert len(router) == 1 and router[0]["knobs"]["cpu_linear_block_n"] == cpu.KNOB_DEFAULTS["cpu_linear_block_n"]
     assert all(c["isa"] for c in rec)
-    # the lm_head (Python, eager) is recorded too: the runner's calls are the others
-    assert len(by_op["linear"]) == layers * 4 + 2 + 2 + 1 + 1  # attention 4 per layer, dense 2, shared 2, router, lm_head
+    # attention 4 per layer, dense 2, shared 2, router, lm_head: every call of the step is the runner's
+    assert len(by_op["linear"]) == layers * 4 + 2 + 2 + 1 + 1
 
 
 @pytest.mark.parametrize("knobs", [{"batch_invariant": True}, {"kernel_backend": "reference"},
@@ -174,7 +174,7 @@ def test_breakdown_attributes_the_runners_calls():
                               prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     r = breakdown.measure(llm, prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     assert r["graph_mode"] == "cpp" and eager["graph_mode"] == "eager"
-    assert not hasattr(llm.model.runner, "forward") or "forward" not in vars(llm.model.runner)
+    assert "forward" not in vars(llm.model.runner) and "logits" not in vars(llm.model.runner)
     dec, ref = r["phases"]["decode"], eager["phases"]["decode"]
     for part in ("linear.attn", "head_linear", "attention", "norms", "rope", "routing", "linear.router", "fused_moe",
                  "linear.shared", "linear.dense", "activation", "lm_head"):

@@ -38,9 +38,10 @@ enum Slot : int { kQA = 0, kQB = 1, kKVA = 2, kO = 3, kAttn = 4, kFfn1 = 5, kShG
                   kRouter = 9, kSlots = 10 };
 // Parts of a step, as suites/breakdown.py names them (timed when timing is on).
 enum Part : int { pLinAttn = 0, pHead, pAttn, pNorms, pRope, pRouting, pRouter, pMoe, pShared, pDense, pAct,
-                  kParts };
+                  pLmHead, kParts };
 const char* kPartNames[kParts] = {"linear.attn", "head_linear", "attention", "norms", "rope", "routing",
-                                  "linear.router", "fused_moe", "linear.shared", "linear.dense", "activation"};
+                                  "linear.router", "fused_moe", "linear.shared", "linear.dense", "activation",
+                                  "lm_head"};
 
 // A weight as kernels.cpu.Packed.args: (format, w, N, K, scale, zero, group, block_n).
 struct Lin {
@@ -151,9 +152,13 @@ class DecodeRunner {
     layers_.push_back(std::move(L));
   }
 
-  // The knob structs of one token bucket: per layer, one per slot (Slot order).
+  // The output projection (lm_head), run by forward_logits after the final norm.
+  void set_lm_head(const py::object& lin) { lm_head_ = to_lin(lin); }
+
+  // The knob structs of one token bucket: per layer, one per slot (Slot order), then one more row
+  // whose first struct is the lm_head's.
   void set_knobs(int64_t key, const std::vector<std::vector<Knobs>>& per_layer) {
-    TORCH_CHECK((int64_t)per_layer.size() == (int64_t)layers_.size(), "runner: one knob list per layer");
+    TORCH_CHECK((int64_t)per_layer.size() == (int64_t)layers_.size() + 1, "runner: one knob list per layer, then lm_head's");
     for (const auto& l : per_layer) {
       TORCH_CHECK((int64_t)l.size() == kSlots, "runner: ", kSlots, " knob structs per layer");
       for (const auto& k : l) k.check();
@@ -167,6 +172,31 @@ class DecodeRunner {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
                      const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     const auto t_start = tic();
+    run_layers(ids, positions, cache, tables, lens, slots, key);
+    const int64_t T = ids.numel();
+    at::Tensor out = at::empty({T, D_}, at::kFloat);
+    std::memcpy(out.data_ptr<float>(), h_.data(), T * D_ * sizeof(float));
+    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return bf_ ? out.to(at::kBFloat16) : out;
+  }
+
+  // As forward, then lm_head: the float32 logits [T, vocab] (rounded to the model dtype first, as the
+  // eager path's lm_head output is).
+  at::Tensor forward_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+                            const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
+    const auto t_start = tic();
+    TORCH_CHECK(lm_head_.fmt >= 0, "runner: no lm_head (set_lm_head)");
+    run_layers(ids, positions, cache, tables, lens, slots, key);
+    const int64_t T = ids.numel(), L = (int64_t)layers_.size();
+    at::Tensor out = at::empty({T, lm_head_.N}, at::kFloat);
+    linear(lm_head_, h_.data(), T, out.data_ptr<float>(), knobs_.at(key)[L][0], bf_, pLmHead, L, 0);
+    round_all(out.data_ptr<float>(), T * lm_head_.N);
+    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return out;
+  }
+
+  void run_layers(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+                  const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     auto it = knobs_.find(key);
     TORCH_CHECK(it != knobs_.end(), "runner: no knobs registered for bucket ", key);
     TORCH_CHECK(embed_.defined(), "runner: no embedding (set_embedding)");
@@ -229,10 +259,6 @@ class DecodeRunner {
       if (layers_[i].moe) moe(i, T, kn[i]); else dense(i, T, kn[i]);
       add_norm(T, m_.data(), layers_[i].next_norm);
     }
-    at::Tensor out = at::empty({T, D}, at::kFloat);
-    std::memcpy(out.data_ptr<float>(), h_.data(), T * D * sizeof(float));
-    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
-    return bf_ ? out.to(at::kBFloat16) : out;
   }
 
   bool timing = false, recording = false;
@@ -261,6 +287,7 @@ class DecodeRunner {
   float scaling_;
   bool bf_;
   std::vector<Layer> layers_;
+  Lin lm_head_;
   std::unordered_map<int64_t, std::vector<std::vector<Knobs>>> knobs_;
   void* cache_ptr_ = nullptr;
   std::vector<int64_t> cache_sizes_;
@@ -545,6 +572,8 @@ void bind_runner(py::module_& m) {
       .def("set_embedding", &DecodeRunner::set_embedding, "the token embedding and the rotary angles' inv_freq, factor")
       .def_readonly("total_seconds", &DecodeRunner::total_s_)
       .def("forward", &DecodeRunner::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_logits", &DecodeRunner::forward_logits, py::call_guard<py::gil_scoped_release>())
+      .def("set_lm_head", &DecodeRunner::set_lm_head, "the output projection's kernel arguments")
       .def_readwrite("timing", &DecodeRunner::timing)
       .def_readwrite("recording", &DecodeRunner::recording)
       .def_readwrite("serial_below", &DecodeRunner::serial_below_)
