@@ -52,6 +52,11 @@ ENGINE_KNOBS: tuple[Knob, ...] = (
          "compute every matmul one token row at a time and MLA in one (absorbed) form, so a "
          "sequence's result never depends on what it is batched with (slow; for reproducibility)",
          choices=(False, True), tune=False),
+    Knob("graph_mode", str, "cpp", "engine",
+         "how a decode-only step on the cpu kernels runs its decoder layers: one Python call per op "
+         "(eager), or every layer in one call of the C++ decode runner (cpp; kernels/cpu/csrc/runner.cpp). "
+         "Steps with prompt tokens, batch_invariant, mla_absorb=never and other backends always run eager",
+         choices=("eager", "cpp")),
 )
 
 CATALOGUE: dict[str, Knob] = {k.name: k for k in ENGINE_KNOBS + CPU_KNOBS + CUDA_KNOBS}

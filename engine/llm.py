@@ -119,12 +119,14 @@ class LLM:
             absorb = "always"
         self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=absorb)
         self.kernel_plan: list = []  # per call site and bucket: the knobs its calls use (moetune explain)
-        if getattr(ops, "__name__", "") == "kernels.cpu":
+        cpu_backend = getattr(ops, "__name__", "") == "kernels.cpu"
+        if cpu_backend:
             sited = {**self.model.w, **{f"layers.{i}.router": r for i, r in self.model.routers.items()}}
             ops = self._tuned_ops(ops, sited, knobs or {}, kernel_tables)
         if self.knobs["batch_invariant"]:
             ops = RowwiseOps(ops)
         self.model.ops = ops
+        self.model.runner = self._decode_runner(ops, cpu_backend)
         c = self.config
         self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
                                    c.kv_lora_rank + c.qk_rope_head_dim, self.dtype, self.device)
@@ -174,6 +176,21 @@ class LLM:
         self.kernel_plan = list(sites.values())
         return kt.TunedOps(ops, by_weight, attention_site)
 
+    def _decode_runner(self, ops, cpu_backend: bool):
+        """The C++ decode runner under graph_mode=cpp, where it applies (else None: eager)."""
+        if self.knobs["graph_mode"] != "cpp":
+            return None
+        from engine import cpp_runner
+
+        why = ("it runs on the cpu kernel backend only" if not cpu_backend or self.device.type != "cpu" else
+               "batch_invariant runs every op row by row" if self.knobs["batch_invariant"] else
+               "mla_absorb=never asks for the naive MLA form" if self.model.absorb == "never" else
+               cpp_runner.unsupported(self.model))
+        if why:
+            log.info("graph_mode=cpp: decode steps stay eager (%s)", why)
+            return None
+        return cpp_runner.CppDecodeRunner(self.model, ops, self.knobs)
+
     def explain(self) -> list[dict]:
         """Per call site, bucket and knob: the value the kernel calls use and where it came from."""
         from engine.kernel_tables import plan_rows
@@ -197,8 +214,11 @@ class LLM:
         batch = self._batch([r.seq for r in reqs], new_tokens)
         self._set_threads(batch.is_decode)
         with torch.inference_mode():
-            hidden = self.model.forward(batch, self.cache)
-            return self.model.logits(hidden[batch.last_token_index()])
+            runner = self.model.runner  # graph_mode=cpp: a decode step is one call, lm_head included
+            if runner is not None and batch.is_decode and runner.has_lm_head:
+                return runner.logits(batch, self.cache)
+            hidden = self.model.forward(batch, self.cache)  # decode: every row is a last token
+            return self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
 
     def _set_threads(self, decode_only: bool) -> None:
         """Intra-op threads for this step: knob threads_decode for a decode-only step, else

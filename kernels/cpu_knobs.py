@@ -94,10 +94,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_attn_blas_kv_block", int, 256, "kernels/cpu",
          "CPU attention decode, sgemm form (rows ≥ cpu_attn_blas_rows): keys per converted cache block",
          low=16, high=4096, log=True, pow2=True),
+    Knob("cpu_serial_below_bytes", int, 65536, "kernels/cpu",
+         "CPU decode-layer runner (graph_mode=cpp): an op reading fewer bytes than this (weights, or the "
+         "layer's KV cache for attention) runs on the calling thread instead of opening an OpenMP parallel "
+         "region whose fork/join costs more than the work (0: every op parallel)", low=0, high=1 << 24),
 )
 
-# read once by prepare() at load, not per call
-LOAD_KNOBS = ("cpu_huge_pages",)
+# read once at load (by prepare(), by the decode runner), not per call
+LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes")
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the

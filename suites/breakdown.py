@@ -20,9 +20,15 @@ Parts of a step (seconds; per repeat they add up exactly to the step's wall time
     weight);
     rest.model: LLM._step's time outside the ops (the step's tensors and cache blocks, embedding,
       rotary angles, views/cat/split, the logits' copy to float32 on the host: Python and copies);
+    rest.runner: graph_mode=cpp only: the time inside the C++ decode runner (engine/cpp_runner.py) outside
+      its kernel calls (its glue: rounding, buffers, the ATen calls between kernels); the runner times
+      each kernel call inside it (steady_clock) into the parts above, so a decode step's parts mean the
+      same in both modes (calls: the runner's kernel calls);
     rest.scheduler: the step outside LLM._step (scheduling, sampling, detokenization, stop strings);
-    timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand).
-"The rest" = rest.model + rest.scheduler; fixed cost per layer = the decode step's rest ÷ layers.
+    timer_overhead: the wrappers' own cost (calls × a per-call cost calibrated beforehand; with
+      graph_mode=cpp also the time spent reading the runner's timings back after each step).
+"The rest" = rest.model + rest.runner + rest.scheduler; fixed cost per layer = the decode step's rest ÷
+layers (per-step costs included: on a 2-layer model they dominate it).
 
 Bytes: every weight an op is handed counts once per call (linear: the whole matrix; fused_moe:
 only the experts the step's routing selected, w13 and w2; the embedding: one row per token); per
@@ -57,7 +63,7 @@ import torch
 
 PARTS = ("linear.attn", "head_linear", "attention", "norms", "rope", "routing", "linear.router",
          "fused_moe", "linear.shared", "linear.dense", "activation", "lm_head", "linear.other")
-REST = ("rest.model", "rest.scheduler", "timer_overhead")
+REST = ("rest.model", "rest.runner", "rest.scheduler", "timer_overhead")
 OP_PART = {"rms_norm": "norms", "add_rms_norm": "norms", "rope": "rope", "grouped_topk": "routing",
            "fused_moe": "fused_moe", "head_linear": "head_linear", "silu_and_mul": "activation",
            "mla_decode": "attention", "extend_attention": "attention", "paged_decode": "attention",
@@ -98,12 +104,43 @@ class OpTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.log: list[tuple] = []
+        self.wrapped_calls, self.runner_glue, self.runner_accounting = 0, 0.0, 0.0
         self._keys = {id(w): k for k, w in model.w.items()}
         self._keys.update({id(w): f"layers.{i}.router" for i, w in model.routers.items()})
         self._wrapped = {}
 
     def reset(self) -> None:
         self.seconds, self.calls, self.log = defaultdict(float), defaultdict(int), []
+        self.wrapped_calls = 0  # calls through the Python wrappers (the timer overhead counts these)
+        self.runner_glue = 0.0  # graph_mode=cpp: time inside the C++ runner outside its kernel calls
+        self.runner_accounting = 0.0  # graph_mode=cpp: reading the runner's timings back (timer overhead)
+
+    def add_runner_step(self, runner, lm_head: bool) -> None:
+        """graph_mode=cpp: one decode step of the C++ runner (engine/cpp_runner.py), its kernel calls
+        timed inside it; each goes to its part, and the weights they read to the log."""
+        inside = 0.0
+        for part, (seconds, calls) in runner.runner.parts().items():
+            self.seconds[part] += seconds
+            self.calls[part] += calls
+            inside += seconds
+        self.runner_glue += runner.runner.total_seconds - inside
+        if getattr(self, "_runner_log", (None,))[0] is not runner:  # the calls every step makes, once
+            fixed, moe = [], []
+            for i, by_slot in enumerate(runner.layer_weights):
+                for slot, w in by_slot.items():
+                    if slot == "ffn1" and ".experts." in self._keys.get(id(w), ""):
+                        moe.append((i, w, by_slot["w2"]))
+                    elif slot != "w2":
+                        fixed.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
+                fixed += [("head_linear", "head_linear", (None, t)) for t in (runner.model.w_uk[i], runner.model.w_uv[i])]
+            self._runner_log = (runner, fixed, moe)
+        _, fixed, moe = self._runner_log
+        self.log += fixed
+        used = runner.runner.experts_used
+        self.log += [("fused_moe_used", "fused_moe", (w13, w2, used[i])) for i, w13, w2 in moe]
+        if lm_head:
+            self.log.append(("linear", "lm_head", (None, runner.lm_head)))
+        self.log.append(("kv_bytes", "attention", (runner.runner.kv_bytes * len(runner.layer_weights),)))  # per layer
 
     def __getattr__(self, name: str):
         fn = getattr(self._ops, name)
@@ -127,6 +164,7 @@ class OpTimer:
             part = _linear_part(self._keys.get(id(args[1]), "")) if name == "linear" else OP_PART.get(name, name)
             self.seconds[part] += dt
             self.calls[part] += 1
+            self.wrapped_calls += 1
             self.log.append((name, part, args))
             return out
         return timed
@@ -137,6 +175,11 @@ class OpTimer:
         for name, part, args in self.log:
             if name in ("linear", "head_linear"):
                 groups[_byte_group(part)] += _nbytes(args[1])
+            elif name == "fused_moe_used":
+                w13, w2, used = args
+                groups["routed_experts"] += (_nbytes(w13) + _nbytes(w2)) * used // w13.shape[0]
+            elif name == "kv_bytes":
+                kv += args[0]
             elif name == "fused_moe":
                 w13, w2, ids = args[1], args[2], args[4]
                 used = int(torch.unique(ids).numel())
@@ -192,19 +235,37 @@ def timed_model(llm):
             timer.tokens += sum(len(t) for t in new_tokens)
 
     model.ops, llm._step = timer, step
+    runner = getattr(model, "runner", None)  # graph_mode=cpp: decode steps run in the C++ runner
+    if runner is not None:
+        def timed_call(real, lm_head: bool):
+            def call(batch, cache):
+                out = real(batch, cache)
+                t0 = time.perf_counter()
+                timer.add_runner_step(runner, lm_head)
+                timer.runner_accounting += time.perf_counter() - t0  # the timer's own cost, not the model's
+                return out
+            return call
+
+        runner.runner.timing = True
+        runner.forward, runner.logits = timed_call(runner.forward, False), timed_call(runner.logits, True)
     try:
         yield timer
     finally:
         model.ops = timer._ops
         del llm._step  # the instance attribute: back to the class's method
+        if runner is not None:
+            runner.runner.timing = False
+            del runner.forward, runner.logits
 
 
 def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row: int) -> dict:
     """One repeat's figures per step: parts (adding up to total), bytes."""
-    calls = sum(timer.calls.values())
+    calls = timer.wrapped_calls
     parts = {p: timer.seconds.get(p, 0.0) / steps for p in PARTS}
-    parts["timer_overhead"] = calls * overhead / steps
-    parts["rest.model"] = (timer.forward_s - sum(timer.seconds.values()) - calls * overhead) / steps
+    parts["timer_overhead"] = (calls * overhead + timer.runner_accounting) / steps
+    parts["rest.runner"] = timer.runner_glue / steps
+    parts["rest.model"] = (timer.forward_s - sum(timer.seconds.values()) - calls * overhead - timer.runner_glue
+                           - timer.runner_accounting) / steps
     parts["rest.scheduler"] = (wall - timer.forward_s) / steps
     parts["total"] = wall / steps
     groups, kv = timer.step_bytes()
@@ -282,7 +343,7 @@ def summarize(llm, samples: dict, prompt_len: int, decode: int, batch: int, over
             parts[p]["share"] = parts[p]["median"] / total if total else 0.0
             parts[p]["calls"] = statistics.median([r["calls"].get(p, 0) for r in runs]) if p in PARTS else 0
         weight = [sum(r["bytes"].values()) / r["tokens"] for r in runs]
-        rest = [r["parts"]["rest.model"] + r["parts"]["rest.scheduler"] for r in runs]
+        rest = [r["parts"]["rest.model"] + r["parts"]["rest.runner"] + r["parts"]["rest.scheduler"] for r in runs]
         gbs = [sum(r["bytes"].values()) / r["parts"]["total"] / 1e9 for r in runs]
         phases[phase] = {
             "tokens": tokens, "steps": statistics.median([r["steps"] for r in runs]), "parts": parts,
@@ -292,10 +353,12 @@ def summarize(llm, samples: dict, prompt_len: int, decode: int, batch: int, over
             "weight_gb_s": _stats(gbs),
             "rest": _stats(rest),
             "fixed_cost_per_layer": _stats([x / c.num_hidden_layers for x in rest]),
+            "runner_glue_per_layer": _stats([r["parts"]["rest.runner"] / c.num_hidden_layers for r in runs]),
         }
     return {"prompt_len": prompt_len, "decode_steps": decode, "batch": batch, "repeats": len(samples["decode"]),
             "layers": c.num_hidden_layers, "timer_overhead_per_call_s": overhead,
             "backend": llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
+            "graph_mode": "cpp" if getattr(llm.model, "runner", None) is not None else "eager",
             "threads": {"prefill": llm.knobs["threads_prefill"], "decode": llm.knobs["threads_decode"]},
             "phases": phases}
 
@@ -367,8 +430,16 @@ def table(result: dict, title: str) -> str:
         fc = ph["fixed_cost_per_layer"]
         lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs "
                      f"per layer [{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
+        if result.get("graph_mode") == "cpp" and phase == "decode":
+            g = ph["runner_glue_per_layer"]
+            lines.append(f"    of which inside the C++ runner, between its kernel calls: {g['median'] * 1e6:.1f} µs "
+                         f"per layer [{g['min'] * 1e6:.1f}–{g['max'] * 1e6:.1f}] (the rest is per step: Python, "
+                         "the scheduler)")
     lines.append(f"\n(timer overhead ≈ {result['timer_overhead_per_call_s'] * 1e6:.2f} µs per op call, "
                  "shown as its own part and not in the rest)")
+    if result.get("graph_mode") == "cpp":
+        lines.append("(graph_mode=cpp: decode steps ran every layer in one call of the C++ runner; its kernel "
+                     "calls were timed inside it into their parts, its own glue between them is rest.runner)")
     return "\n".join(lines)
 
 

@@ -46,6 +46,15 @@ class ThreadsSeen:
 def observed(llm: LLM) -> ThreadsSeen:
     spy = ThreadsSeen(llm.model.ops)
     llm.model.ops = spy
+    runner = llm.model.runner  # graph_mode=cpp: a decode step is one call of the C++ runner
+    if runner is not None:
+        real = vars(runner).get("_real_logits", runner.logits)
+        runner._real_logits = real
+
+        def logits(*a, **k):
+            spy.seen.append(torch.get_num_threads())
+            return real(*a, **k)
+        runner.logits = logits
     return spy
 
 

@@ -79,6 +79,7 @@ class DeepseekV3:
         prepare = getattr(ops, "prepare", lambda w: w)
         self.routers = {i: prepare(DenseWeight(weights[f"layers.{i}.router"]))
                         for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
+        self.runner = None  # engine.cpp_runner.CppDecodeRunner under graph_mode=cpp: runs decode steps
 
     # ------------------------------------------------------------ weights for absorption
 
@@ -94,6 +95,8 @@ class DeepseekV3:
 
     def forward(self, batch: Batch, cache: LatentKVCache) -> torch.Tensor:
         """Hidden states after the final norm, [T, D]."""
+        if self.runner is not None and batch.is_decode:
+            return self.runner.forward(batch, cache)
         dev = self.w["embed"].device  # the batch is built on the host; the model may live on a GPU
         x = F.embedding(batch.token_ids.to(dev), self.w["embed"])
         cos, sin = (t.to(dev) for t in self.rotary(batch.positions))

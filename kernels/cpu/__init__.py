@@ -148,9 +148,20 @@ def recording() -> Iterator[list[dict]]:
         _records = previous
 
 
-def _record(op: str, fmt: str, tokens: int, kn) -> None:
+def _record(op: str, fmt: str, tokens: int, kn, isa: str | None = None) -> None:
     _records.append({"op": op, "format": fmt, "tokens": int(tokens), "knobs": knob_values(kn),
-                     "isa": _ext.last_variant()})
+                     "isa": _ext.last_variant() if isa is None else isa})
+
+
+def is_recording() -> bool:
+    """Whether a recording() block is open (the decode runner then reports its calls)."""
+    return _records is not None
+
+
+def record_call(op: str, fmt: str, tokens: int, kn, isa: str) -> None:
+    """Append a call made by the C++ decode runner (not through these wrappers) to the recording."""
+    if _records is not None:
+        _record(op, fmt, tokens, kn, isa)
 
 
 # ---------------------------------------------------------------- ISA features and dispatch

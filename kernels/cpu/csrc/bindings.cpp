@@ -27,6 +27,7 @@ double bf16_dot_gflops(int64_t iters);
 double amx_peak_gops(int64_t iters, bool int8);
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                            int64_t engine);
+void bind_runner(pybind11::module_& m);  // runner.cpp: the decode-layer runner (graph_mode=cpp)
 }  // namespace moetune
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -105,5 +106,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x_act float32 [M, K] · w[N, K]ᵀ (bf16 or int8 bytes) on AMX tiles, or their C++ emulation; raw products");
   m.def("tile_linear_raw", &moetune::tile_linear_raw,
         "amx_linear_raw on a tile engine: 0 AMX, 1 its model, 2 AVX-512 dot-product tiles, 3 their model");
+  moetune::bind_runner(m);
   m.def("huge_empty", &moetune::huge_empty, "uninitialized uint8 [nbytes], 2 MiB aligned, advised for huge pages");
 }

@@ -1,0 +1,166 @@
+"""graph_mode=cpp: a decode-only step's decoder layers in one call of the C++ decode runner.
+
+The runner (kernels/cpu/csrc/runner.cpp, `DecodeRunner`) holds every layer's weights, handed over
+once here at load, and runs absorbed MLA (q/kv projections, norms, RoPE, head_linear, mla_decode with
+the fused cache write, o_proj) and the MoE (router, grouped top-k, fused MoE, shared experts) or dense
+FFN of every layer, calling the kernels directly; it also embeds the tokens and computes the rotary
+angles, and (`logits`, what LLM._step calls) lm_head. Python keeps the step's cache metadata (Batch).
+
+Per-call knobs: each call site's SitePlan (engine/kernel_tables.py, through TunedOps) chooses its
+struct by the step's bucket exactly as on the eager path; the chosen structs are registered with the
+runner once per distinct bucket (tokens, and the mla_decode context bucket) and named by an integer,
+so a step hands over no structs. Inside kernels.cpu.recording() the runner reports its calls (op,
+format, tokens, the struct it used, the ISA variants) into the recording, as the eager wrappers do.
+"""
+from __future__ import annotations
+
+import torch
+
+_HOST = torch.device("cpu")
+
+
+def unsupported(model) -> str | None:
+    """Why the runner cannot run this model (None: it can)."""
+    from kernels import cpu
+
+    c = model.cfg
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {model.dtype} (the runner takes float32 and bfloat16)"
+    if c.scoring_func not in ("sigmoid", "softmax"):
+        return f"scoring function {c.scoring_func!r}"
+    w = model.w
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        names = [p + "kv_a_proj", p + "o_proj"] + ([p + "q_proj"] if c.q_lora_rank is None else
+                                                    [p + "q_a_proj", p + "q_b_proj"])
+        if c.is_moe_layer(i):
+            if c.n_routed_experts % max(c.n_group, 1):
+                return "experts not divisible into groups"
+            a13, a2 = w[p + "experts.w13"], w[p + "experts.w2"]
+            if not (isinstance(a13, cpu.Packed) and isinstance(a2, cpu.Packed) and a13.args[0] == a2.args[0]
+                    and a13.args[6:] == a2.args[6:] and a13.args[1].dim() == 3):
+                return f"layer {i}'s experts are in a format the fused MoE kernel does not take"
+            if not isinstance(model.routers[i], cpu.Packed):
+                return f"layer {i}'s router is not a kernel weight"
+            if c.n_shared_experts:
+                names += [p + "shared.gate_up", p + "shared.down"]
+        else:
+            names += [p + "mlp.gate_up", p + "mlp.down"]
+        for n in names:
+            if not isinstance(w[n], cpu.Packed) or w[n].args[1].dim() != 2:
+                return f"{n} is in a format the linear kernel does not take"
+    return None
+
+
+class CppDecodeRunner:
+    """The C++ runner of one loaded model; `forward(batch, cache)` as DeepseekV3.forward for decode steps."""
+
+    def __init__(self, model, ops, knobs: dict):
+        from kernels import cpu
+
+        self._cpu, self.model, self.ops = cpu, model, ops
+        c = model.cfg
+        ext = cpu.extension()
+        self.slots = tuple(ext.RUNNER_SLOTS)
+        self.runner = ext.DecodeRunner(
+            heads=c.num_attention_heads, qk_nope=c.qk_nope_head_dim, qk_rope=c.qk_rope_head_dim,
+            kv_lora_rank=c.kv_lora_rank, v_head=c.v_head_dim, hidden=c.hidden_size, eps=c.rms_norm_eps,
+            scale=model.scale, interleave=c.rope_interleave, topk=c.num_experts_per_tok, n_group=c.n_group,
+            topk_group=c.topk_group, sigmoid=c.scoring_func == "sigmoid", renormalize=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor, bf16=model.dtype == torch.bfloat16,
+            serial_below=knobs["cpu_serial_below_bytes"])
+        w = model.w
+        self.layer_weights: list[dict] = []  # per layer: slot → the weight object (its call site; bytes)
+        for i in range(c.num_hidden_layers):
+            p, moe = f"layers.{i}.", c.is_moe_layer(i)
+            by_slot = {"q_b": w[p + ("q_proj" if c.q_lora_rank is None else "q_b_proj")],
+                       "kv_a": w[p + "kv_a_proj"], "o": w[p + "o_proj"]}
+            if c.q_lora_rank is not None:
+                by_slot["q_a"] = w[p + "q_a_proj"]
+            if moe:
+                by_slot.update(ffn1=w[p + "experts.w13"], w2=w[p + "experts.w2"], router=model.routers[i])
+                if c.n_shared_experts:
+                    by_slot.update(shared_gate_up=w[p + "shared.gate_up"], shared_down=w[p + "shared.down"])
+            else:
+                by_slot.update(ffn1=w[p + "mlp.gate_up"], down=w[p + "mlp.down"])
+            self.layer_weights.append(by_slot)
+            cxx = {"q_b": "q_b", "kv_a": "kv_a", "o": "o", "q_a": "q_a", "router": "router",
+                   "shared_gate_up": "sh_gu", "shared_down": "sh_down", "down": "down", "w2": "w2"}
+            lin = {cxx[s]: wt.args for s, wt in by_slot.items() if s in cxx}
+            lin["w13" if moe else "gu"] = by_slot["ffn1"].args
+            next_norm = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_hidden_layers else w["norm"]
+            ten = {"attn_norm": w[p + "attn_norm"], "q_a_norm": w.get(p + "q_a_norm"),
+                   "kv_a_norm": w[p + "kv_a_norm"], "ffn_norm": w[p + "ffn_norm"], "next_norm": next_norm,
+                   "w_uk": model.w_uk[i], "w_uv": model.w_uv[i], "bias": w.get(p + "router_bias")}
+            self.runner.add_layer(lin, ten, moe)
+        self.runner.set_embedding(w["embed"], model.rotary.inv_freq, model.rotary.factor)
+        self.lm_head = w["lm_head"]
+        self.has_lm_head = isinstance(self.lm_head, cpu.Packed) and self.lm_head.args[1].dim() == 2
+        if self.has_lm_head:  # else `logits` is unavailable and the step runs lm_head in Python
+            self.runner.set_lm_head(self.lm_head.args)
+        self._keys: dict[tuple, int] = {}
+        self._structs: dict[int, list] = {}
+        self._default = cpu.make_knobs()
+        self._cache_fmt = "bf16" if model.dtype == torch.bfloat16 else "f32"
+
+    # ------------------------------------------------------------ knobs per bucket
+
+    def _choice(self, weight, tokens: int):
+        sites = getattr(self.ops, "_weight_sites", None)
+        site = sites.get(id(weight)) if sites is not None else None
+        return site.choice(tokens) if site is not None else None
+
+    def _mla_choice(self, tokens: int, context: int):
+        site_of = getattr(self.ops, "_site", None)
+        if site_of is None:
+            return None
+        c = self.model.cfg
+        site = site_of("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim))
+        return site.choice(tokens, context) if site is not None else None
+
+    def _key(self, tokens: int, context: int) -> int:
+        mla = self._mla_choice(tokens, context)
+        k = (tokens, id(mla))
+        key = self._keys.get(k)
+        if key is None:
+            key = self._keys[k] = len(self._keys)
+            structs = []
+            for by_slot in self.layer_weights:
+                row = []
+                for s in self.slots:
+                    ch = mla if s == "attn" else (self._choice(by_slot[s], tokens) if s in by_slot else None)
+                    arg = ch.arg if ch is not None else None
+                    row.append(arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg))
+                structs.append(row)
+            head = self._choice(self.lm_head, tokens) if self.has_lm_head else None
+            arg = head.arg if head is not None else None
+            structs.append([arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg)] * len(self.slots))
+            self.runner.set_knobs(key, structs)
+            self._structs[key] = structs
+        return key
+
+    # ------------------------------------------------------------ the step
+
+    def forward(self, batch, cache) -> torch.Tensor:
+        """Hidden states after the final norm [T, D] for a decode-only batch (one token per sequence)."""
+        return self._run(self.runner.forward, batch, cache)
+
+    def logits(self, batch, cache) -> torch.Tensor:
+        """The float32 logits [T, vocab] of a decode-only batch, lm_head included (has_lm_head)."""
+        return self._run(self.runner.forward_logits, batch, cache)
+
+    def _run(self, fn, batch, cache) -> torch.Tensor:
+        tables, lens = batch.decode_rows(_HOST)
+        key = self._key(lens.shape[0], int(lens.max()))
+        recording = self._cpu.is_recording()
+        self.runner.recording = recording
+        out = fn(batch.token_ids, batch.positions, cache.layers, tables, lens, batch.slots, key)
+        if recording:
+            self._replay(key)
+        return out
+
+    def _replay(self, key: int) -> None:
+        names = self._cpu.FORMAT_NAMES
+        structs = self._structs[key]
+        for op, fmt, tokens, layer, slot, isa in self.runner.calls:
+            self._cpu.record_call(op, names[fmt] if fmt >= 0 else self._cache_fmt, tokens, structs[layer][slot], isa)

@@ -1,0 +1,588 @@
+// The decode-layer runner (engine knob graph_mode=cpp): one call per decode step runs every decoder
+// layer of a DeepSeek-V2/V3 model — absorbed MLA and the MoE / dense FFN — calling the kernels of
+// this extension directly, so a layer costs no Python, no pybind crossing and no torch glue per op.
+//
+// Numerics follow the eager path (engine/models/deepseek_v3.py over kernels/cpu) op by op: the
+// activations live in float32 buffers throughout, and every value the eager path rounds to the
+// model dtype (bfloat16) is rounded to it here at the same point, so the two paths differ only in
+// summation order where an op is computed differently (head_linear: one bmm; routing; SiLU's exp).
+// The weights are handed over once, at load (add_layer); the per-call knob structs once per token
+// bucket (set_knobs); a step passes only its activations and cache metadata.
+//
+// Small ops run on the calling thread: an op reading fewer than serial_below bytes of weights (or of
+// KV cache) runs with one OpenMP thread, skipping the fork/join of a parallel region whose work is
+// below its cost (knob cpu_serial_below_bytes; 0: every op parallel as the eager path).
+#include <torch/csrc/utils/pybind.h>
+#include <omp.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <unordered_map>
+#include <c10/util/BFloat16.h>
+#include "ops.h"
+
+namespace moetune {
+
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                       const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
+                       const at::Tensor& slots, const Knobs& knobs);
+
+namespace {
+
+namespace py = pybind11;
+
+// Knob slots of a layer: the call sites whose knob struct the runner takes per layer and bucket.
+enum Slot : int { kQA = 0, kQB = 1, kKVA = 2, kO = 3, kAttn = 4, kFfn1 = 5, kShGU = 6, kShDown = 7, kDown = 8,
+                  kRouter = 9, kSlots = 10 };
+// Parts of a step, as suites/breakdown.py names them (timed when timing is on).
+enum Part : int { pLinAttn = 0, pHead, pAttn, pNorms, pRope, pRouting, pRouter, pMoe, pShared, pDense, pAct,
+                  pLmHead, kParts };
+const char* kPartNames[kParts] = {"linear.attn", "head_linear", "attention", "norms", "rope", "routing",
+                                  "linear.router", "fused_moe", "linear.shared", "linear.dense", "activation",
+                                  "lm_head"};
+
+// A weight as kernels.cpu.Packed.args: (format, w, N, K, scale, zero, group, block_n).
+struct Lin {
+  int64_t fmt = -1, N = 0, K = 0, group = 0, block_n = 1;
+  at::Tensor w, scale, zero;
+  int64_t bytes() const { return w.defined() ? (int64_t)w.nbytes() : 0; }
+};
+
+Lin to_lin(const py::object& o) {
+  Lin l;
+  if (o.is_none()) return l;
+  const py::tuple t = o.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 8, "runner: a weight's kernel arguments are 8 values");
+  l.fmt = t[0].cast<int64_t>();
+  l.w = t[1].cast<at::Tensor>();
+  l.N = t[2].cast<int64_t>();
+  l.K = t[3].cast<int64_t>();
+  l.scale = t[4].cast<at::Tensor>();
+  l.zero = t[5].cast<at::Tensor>();
+  l.group = t[6].cast<int64_t>();
+  l.block_n = t[7].cast<int64_t>();
+  return l;
+}
+
+struct Layer {
+  Lin q_a, q_b, kv_a, o, w13, w2, sh_gu, sh_down, gu, down, router;  // q_b: q_b_proj, or q_proj without q_lora
+  at::Tensor attn_norm, q_a_norm, kv_a_norm, ffn_norm, next_norm;    // float32, values of the model dtype
+  at::Tensor w_uk, w_uv;                                             // [H, R, N], [H, V, R] in the model dtype
+  at::Tensor bias;                                                   // router correction bias float32, or undefined
+  bool moe = false;
+};
+
+inline float rnd(float v, bool bf) { return bf ? (float)c10::BFloat16(v) : v; }
+
+// As small_ops.cpp's rms_norm on one row: out = w · (x / rms(x)), rounded like the reference.
+void norm_row(const float* x, const float* w, float* out, int64_t D, float eps, bool bf) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= D; k += 16) { __m512 v = _mm512_loadu_ps(x + k); acc = _mm512_fmadd_ps(v, v, acc); }
+  float ss = hsum(acc);
+  for (; k < D; ++k) ss += x[k] * x[k];
+  const float inv = 1.f / std::sqrt(ss / (float)D + eps);
+  for (k = 0; k < D; ++k) out[k] = rnd(w[k] * rnd(x[k] * inv, bf), bf);
+}
+
+// As small_ops.cpp's rope on one head row: x [P] (pairs interleaved or halves) → out [P] de-interleaved.
+void rope_row(const float* x, const float* c, const float* s, int64_t P, bool interleave, float* o, bool bf) {
+  const int64_t half = P / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = interleave ? x[2 * i] : x[i], x2 = interleave ? x[2 * i + 1] : x[i + half];
+    const float a = x1 * c[i], b2 = x2 * s[i], d = x2 * c[i], f = x1 * s[i];
+    o[i] = rnd(a - b2, bf);
+    o[half + i] = rnd(d + f, bf);
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// One OpenMP thread for the scope when `serial` (restored after).
+struct SerialScope {
+  int prev = 0;
+  bool on;
+  explicit SerialScope(bool serial) : on(serial) {
+    if (on) { prev = omp_get_max_threads(); omp_set_num_threads(1); }
+  }
+  ~SerialScope() { if (on) omp_set_num_threads(prev); }
+};
+
+using Clock = std::chrono::steady_clock;
+
+class DecodeRunner {
+ public:
+  DecodeRunner(int64_t H, int64_t Nn, int64_t P, int64_t R, int64_t V, int64_t D, double eps, double scale,
+               bool interleave, int64_t topk, int64_t n_group, int64_t topk_group, bool sigmoid, bool renorm,
+               double scaling, bool bf16, int64_t serial_below)
+      : H_(H), Nn_(Nn), P_(P), R_(R), V_(V), D_(D), eps_((float)eps), scale_(scale), interleave_(interleave),
+        topk_(topk), n_group_(n_group), topk_group_(topk_group), sigmoid_(sigmoid), renorm_(renorm),
+        scaling_((float)scaling), bf_(bf16), serial_below_(serial_below) {}
+
+  // The token embedding [vocab, D] (model dtype) and the rotary angles (engine/rope.py): inv_freq [P/2],
+  // cos/sin scaled by `factor`.
+  void set_embedding(const at::Tensor& embed, const at::Tensor& inv_freq, double factor) {
+    embed_ = embed.contiguous();
+    inv_freq_ = inv_freq.to(at::kFloat).contiguous();
+    rope_factor_ = (float)factor;
+  }
+
+  void add_layer(const py::dict& lin, const py::dict& ten, bool moe) {
+    Layer L;
+    auto get = [&](const char* k) { return lin.contains(k) ? to_lin(lin[k]) : Lin(); };
+    auto norm = [&](const char* k) -> at::Tensor {
+      if (!ten.contains(k) || ten[k].is_none()) return at::Tensor();
+      at::Tensor t = ten[k].cast<at::Tensor>();
+      return t.to(bf_ ? at::kBFloat16 : at::kFloat).to(at::kFloat).contiguous();
+    };
+    L.q_a = get("q_a"), L.q_b = get("q_b"), L.kv_a = get("kv_a"), L.o = get("o");
+    L.w13 = get("w13"), L.w2 = get("w2"), L.sh_gu = get("sh_gu"), L.sh_down = get("sh_down");
+    L.gu = get("gu"), L.down = get("down"), L.router = get("router");
+    L.attn_norm = norm("attn_norm"), L.q_a_norm = norm("q_a_norm"), L.kv_a_norm = norm("kv_a_norm");
+    L.ffn_norm = norm("ffn_norm"), L.next_norm = norm("next_norm");
+    L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, R, N]
+    L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, V, R]
+    if (ten.contains("bias") && !ten["bias"].is_none()) L.bias = ten["bias"].cast<at::Tensor>().to(at::kFloat).contiguous();
+    L.moe = moe;
+    TORCH_CHECK(L.q_b.fmt >= 0 && L.kv_a.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
+    TORCH_CHECK(moe ? (L.w13.fmt >= 0 && L.w2.fmt >= 0 && L.router.fmt >= 0) : (L.gu.fmt >= 0 && L.down.fmt >= 0),
+                "runner: feed-forward weights missing");
+    layers_.push_back(std::move(L));
+  }
+
+  // The output projection (lm_head), run by forward_logits after the final norm.
+  void set_lm_head(const py::object& lin) { lm_head_ = to_lin(lin); }
+
+  // The knob structs of one token bucket: per layer, one per slot (Slot order), then one more row
+  // whose first struct is the lm_head's.
+  void set_knobs(int64_t key, const std::vector<std::vector<Knobs>>& per_layer) {
+    TORCH_CHECK((int64_t)per_layer.size() == (int64_t)layers_.size() + 1, "runner: one knob list per layer, then lm_head's");
+    for (const auto& l : per_layer) {
+      TORCH_CHECK((int64_t)l.size() == kSlots, "runner: ", kSlots, " knob structs per layer");
+      for (const auto& k : l) k.check();
+    }
+    knobs_[key] = per_layer;
+  }
+  bool has_knobs(int64_t key) const { return knobs_.count(key) > 0; }
+
+  // ids [T] int64 (one new token per sequence); positions [T] int64; cache [L, NB, BS, R + P];
+  // tables [T, MB] int32; lens [T] int32; slots [T] int64. Returns the final-norm hidden [T, D] (model dtype).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+                     const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
+    const auto t_start = tic();
+    run_layers(ids, positions, cache, tables, lens, slots, key);
+    const int64_t T = ids.numel();
+    at::Tensor out = at::empty({T, D_}, at::kFloat);
+    std::memcpy(out.data_ptr<float>(), h_.data(), T * D_ * sizeof(float));
+    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return bf_ ? out.to(at::kBFloat16) : out;
+  }
+
+  // As forward, then lm_head: the float32 logits [T, vocab] (rounded to the model dtype first, as the
+  // eager path's lm_head output is).
+  at::Tensor forward_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+                            const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
+    const auto t_start = tic();
+    TORCH_CHECK(lm_head_.fmt >= 0, "runner: no lm_head (set_lm_head)");
+    run_layers(ids, positions, cache, tables, lens, slots, key);
+    const int64_t T = ids.numel(), L = (int64_t)layers_.size();
+    at::Tensor out = at::empty({T, lm_head_.N}, at::kFloat);
+    linear(lm_head_, h_.data(), T, out.data_ptr<float>(), knobs_.at(key)[L][0], bf_, pLmHead, L, 0);
+    round_all(out.data_ptr<float>(), T * lm_head_.N);
+    if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return out;
+  }
+
+  void run_layers(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+                  const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
+    auto it = knobs_.find(key);
+    TORCH_CHECK(it != knobs_.end(), "runner: no knobs registered for bucket ", key);
+    TORCH_CHECK(embed_.defined(), "runner: no embedding (set_embedding)");
+    const auto& kn = it->second;
+    const int64_t T = ids.numel(), D = D_, L = (int64_t)layers_.size();
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && positions.numel() == T &&
+                    tables.size(0) == T && lens.numel() == T && slots.numel() == T && cache.size(0) == L,
+                "runner: bad step shapes");
+    if (cache.data_ptr() != cache_ptr_ || cache.sizes() != cache_sizes_) {  // per-layer views, once per cache
+      cache_ptr_ = cache.data_ptr();
+      cache_sizes_ = cache.sizes().vec();
+      kviews_.clear(), vviews_.clear(), cviews_.clear();
+      for (int64_t i = 0; i < L; ++i) {
+        at::Tensor c = cache.select(0, i);
+        cviews_.push_back(c);
+        kviews_.push_back(c.unsqueeze(2));
+        vviews_.push_back(c.narrow(-1, 0, R_).unsqueeze(2));
+      }
+    }
+    calls_.clear();
+    std::fill(part_s_, part_s_ + kParts, 0.0);
+    std::fill(part_n_, part_n_ + kParts, 0);
+    experts_used_.assign(L, 0);
+    // the embedding rows and the rotary angles: as F.embedding and RotaryAngles (engine/rope.py)
+    residual_.resize(T * D);
+    const int64_t half = P_ / 2, vocab = embed_.size(0);
+    cos_.resize(T * half), sin_.resize(T * half);
+    const int64_t* idp = ids.contiguous().data_ptr<int64_t>();
+    const int64_t* pp = positions.contiguous().data_ptr<int64_t>();
+    const float* inv = inv_freq_.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab, "runner: token id ", idp[t], " outside the vocabulary");
+      if (bf_) {
+        const c10::BFloat16* e = embed_.data_ptr<c10::BFloat16>() + idp[t] * D;
+        for (int64_t k = 0; k < D; ++k) residual_[t * D + k] = (float)e[k];
+      } else {
+        std::memcpy(residual_.data() + t * D, embed_.data_ptr<float>() + idp[t] * D, D * sizeof(float));
+      }
+      for (int64_t i = 0; i < half; ++i) {
+        const float ang = (float)pp[t] * inv[i];
+        cos_[t * half + i] = std::cos(ang) * rope_factor_;
+        sin_[t * half + i] = std::sin(ang) * rope_factor_;
+      }
+    }
+    const at::Tensor lens_c = lens.to(at::kInt).contiguous(), tables_c = tables.to(at::kInt).contiguous();
+    const at::Tensor slots_c = slots.to(at::kLong).contiguous();
+    int64_t kv_tokens = 0;
+    for (int64_t t = 0; t < T; ++t) kv_tokens += lens_c.data_ptr<int32_t>()[t];
+    kv_bytes_ = kv_tokens * cache.size(-1) * cache.element_size();
+    h_.resize(T * D);
+    {
+      const auto t0 = tic();
+      for (int64_t t = 0; t < T; ++t)
+        norm_row(residual_.data() + t * D, layers_[0].attn_norm.data_ptr<float>(), h_.data() + t * D, D, eps_, bf_);
+      toc(pNorms, t0);
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      attention(i, T, tables_c, lens_c, slots_c, kn[i]);
+      add_norm(T, a_.data(), layers_[i].ffn_norm);
+      if (layers_[i].moe) moe(i, T, kn[i]); else dense(i, T, kn[i]);
+      add_norm(T, m_.data(), layers_[i].next_norm);
+    }
+  }
+
+  bool timing = false, recording = false;
+  // Recorded calls: (op, format id or -1 for the cache dtype, tokens, layer, slot, variants).
+  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, std::string>> calls_;
+  double part_s_[kParts] = {};
+  int64_t part_n_[kParts] = {};
+  std::vector<int64_t> experts_used_;
+  int64_t kv_bytes_ = 0;
+  double total_s_ = 0;  // the last step's whole call (timing on)
+  int64_t serial_below_;
+
+  py::dict parts() const {
+    py::dict d;
+    for (int p = 0; p < kParts; ++p) d[kPartNames[p]] = py::make_tuple(part_s_[p], part_n_[p]);
+    return d;
+  }
+
+ private:
+  int64_t H_, Nn_, P_, R_, V_, D_;
+  float eps_;
+  double scale_;
+  bool interleave_;
+  int64_t topk_, n_group_, topk_group_;
+  bool sigmoid_, renorm_;
+  float scaling_;
+  bool bf_;
+  std::vector<Layer> layers_;
+  Lin lm_head_;
+  std::unordered_map<int64_t, std::vector<std::vector<Knobs>>> knobs_;
+  void* cache_ptr_ = nullptr;
+  std::vector<int64_t> cache_sizes_;
+  std::vector<at::Tensor> kviews_, vviews_, cviews_;
+  // step buffers, reused across steps
+  at::Tensor embed_, inv_freq_;
+  float rope_factor_ = 1.f;
+  std::vector<float> cos_, sin_, residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
+  std::vector<int64_t> ids_;
+  std::vector<float> tw_;
+
+  Clock::time_point tic() const { return timing ? Clock::now() : Clock::time_point(); }
+  void toc(int part, Clock::time_point t0) {
+    if (!timing) return;
+    part_s_[part] += std::chrono::duration<double>(Clock::now() - t0).count();
+    part_n_[part] += 1;
+  }
+  void note(const char* op, int64_t fmt, int64_t tokens, int64_t layer, int64_t slot) {
+    if (recording) calls_.emplace_back(op, fmt, tokens, layer, slot, used_variants());
+  }
+  bool serial(int64_t bytes) const { return bytes < serial_below_; }
+
+  // out [M, N] float32 = x [M, K] · Wᵀ, as moetune::linear (the same paths and knobs) on float rows.
+  void linear(const Lin& L, const float* x, int64_t M, float* out, const Knobs& kn, bool act_bf16, int part,
+              int64_t layer, int64_t slot) {
+    const auto t0 = tic();
+    SerialScope one(serial(L.bytes()));
+    reset_used();
+    WeightView W = make_weight(L.fmt, L.w, L.N, L.K, L.scale, L.zero, L.group, L.block_n, kn, act_bf16).base;
+    const bool gemm = M >= gemm_from(W.fmt, kn);
+    if (gemm) W.no_micro_forms();
+    PreparedAct p = prepare_act_f32rows(x, M, L.K, L.K, W);
+    if (gemm) {
+      at::Tensor in = (p.xq.defined() && !p.xf.defined()) ? p.xq.narrow(1, 0, L.K).to(at::kFloat) : p.xf.narrow(1, 0, L.K);
+      at::Tensor o = gemm_unpacked(in, W, kn);
+      if (W.fmt == kInt8) o.mul_(p.xs.unsqueeze(1)).mul_(L.scale.unsqueeze(0));
+      o = o.contiguous();
+      std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
+    } else {
+      note_dot(W.dot);
+      std::vector<int64_t> tok(M);
+      for (int64_t m = 0; m < M; ++m) tok[m] = m;
+      gemv_rows(W, p.view(), tok.data(), M, out, L.N, kn, true);
+    }
+    note("linear", L.fmt, M, layer, slot);
+    toc(part, t0);
+  }
+
+  void round_all(float* p, int64_t n) const {
+    if (bf_) for (int64_t i = 0; i < n; ++i) p[i] = rnd(p[i], true);
+  }
+
+  // residual += x (in the model dtype), h = norm(residual) · w
+  void add_norm(int64_t T, const float* x, const at::Tensor& w) {
+    const auto t0 = tic();
+    const float* wp = w.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      float* r = residual_.data() + t * D_;
+      for (int64_t k = 0; k < D_; ++k) r[k] = rnd(r[k] + x[t * D_ + k], bf_);
+      norm_row(r, wp, h_.data() + t * D_, D_, eps_, bf_);
+    }
+    toc(pNorms, t0);
+  }
+
+  // out [T, H, B] = per head w[h] · x[t, h] (kernels/reference.head_linear): x rows of A floats per head at
+  // stride hs, w [H, B, A] in the model dtype (converted in registers), float32 sums, rounded to the model
+  // dtype, written at out + (t * H + h) * ldo. Heads in parallel when w is large enough.
+  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& w, float* out, int64_t ldo) {
+    const auto t0 = tic();
+    const int64_t B = w.size(1), H = H_;
+    const bool wbf = w.scalar_type() == at::kBFloat16;
+    const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+    const int64_t esz = wbf ? 2 : 4;
+    const bool par = !serial((int64_t)w.nbytes()) && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* row = wp + ((h * B + b) * A) * esz;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xr = x + (t * H + h) * hs;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t a = 0; a < A; a += 16) {
+            const __mmask16 m = tail_mask16(A - a);
+            const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t*)row + a)), 16))
+                                  : _mm512_maskz_loadu_ps(m, (const float*)row + a);
+            acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, xr + a), acc);
+          }
+          out[(t * H + h) * ldo + b] = rnd(hsum(acc), bf_);
+        }
+      }
+    }
+    toc(pHead, t0);
+  }
+
+  void attention(int64_t i, int64_t T, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots,
+                 const std::vector<Knobs>& kn) {
+    const Layer& L = layers_[i];
+    const int64_t Dq = Nn_ + P_, W = R_ + P_, half = P_ / 2;
+    const float *cp = cos_.data(), *sp = sin_.data();
+    // q [T, H, N + P]
+    q_.resize(T * H_ * Dq);
+    if (L.q_a.fmt >= 0) {
+      qa_.resize(T * L.q_a.N);
+      linear(L.q_a, h_.data(), T, qa_.data(), kn[kQA], bf_, pLinAttn, i, kQA);
+      round_all(qa_.data(), T * L.q_a.N);
+      const auto t0 = tic();
+      for (int64_t t = 0; t < T; ++t)
+        norm_row(qa_.data() + t * L.q_a.N, L.q_a_norm.data_ptr<float>(), qa_.data() + t * L.q_a.N, L.q_a.N, eps_, bf_);
+      toc(pNorms, t0);
+      linear(L.q_b, qa_.data(), T, q_.data(), kn[kQB], bf_, pLinAttn, i, kQB);
+    } else {
+      linear(L.q_b, h_.data(), T, q_.data(), kn[kQB], bf_, pLinAttn, i, kQB);
+    }
+    round_all(q_.data(), T * H_ * Dq);
+    // latent and k_pe: [T, R + P]
+    kv_.resize(T * W);
+    rows_.resize(T * W);
+    linear(L.kv_a, h_.data(), T, kv_.data(), kn[kKVA], bf_, pLinAttn, i, kKVA);
+    round_all(kv_.data(), T * W);
+    qcat_.resize(T * H_ * W);  // the attention query: [q_lat | roped q_pe] per head, float32
+    {
+      const auto t0 = tic();
+      for (int64_t t = 0; t < T; ++t) {
+        norm_row(kv_.data() + t * W, L.kv_a_norm.data_ptr<float>(), rows_.data() + t * W, R_, eps_, bf_);
+        rope_row(kv_.data() + t * W + R_, cp + t * half, sp + t * half, P_, interleave_, rows_.data() + t * W + R_, bf_);
+        for (int64_t h = 0; h < H_; ++h)
+          rope_row(q_.data() + (t * H_ + h) * Dq + Nn_, cp + t * half, sp + t * half, P_, interleave_,
+                   qcat_.data() + (t * H_ + h) * W + R_, bf_);
+      }
+      toc(pRope, t0);
+    }
+    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
+    const auto t0 = tic();
+    at::Tensor out_lat;
+    {
+      SerialScope one(serial(kv_bytes_ / (int64_t)layers_.size()));
+      reset_used();
+      at::Tensor q = at::from_blob(qcat_.data(), {T, H_, W}, at::kFloat);
+      at::Tensor rows = at::from_blob(rows_.data(), {T, W}, at::kFloat);
+      out_lat = attn_decode(q, kviews_[i], vviews_[i], tables, lens, scale_, cviews_[i], rows, slots, kn[kAttn]);
+    }
+    note("mla_decode", -1, T, i, kAttn);
+    toc(pAttn, t0);
+    float* ol = out_lat.data_ptr<float>();  // [T, H, R]
+    round_all(ol, T * H_ * R_);
+    oin_.resize(T * H_ * V_);
+    head_linear(ol, T, R_, R_, L.w_uv, oin_.data(), V_);  // [T, H, V]
+    a_.resize(T * D_);
+    linear(L.o, oin_.data(), T, a_.data(), kn[kO], bf_, pLinAttn, i, kO);
+    round_all(a_.data(), T * D_);
+  }
+
+  // gate_up [T, 2I] → act [T, I] = SiLU(gate) · up in the model dtype
+  void silu_mul(const float* gu, int64_t T, int64_t I, float* act) {
+    const auto t0 = tic();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < I; ++k) act[t * I + k] = rnd(silu(gu[t * 2 * I + k]) * gu[t * 2 * I + I + k], bf_);
+    toc(pAct, t0);
+  }
+
+  // x [T, D] → out [T, D] through gate_up and down (dense MLP or shared experts), model dtype
+  void mlp(const Lin& gu, const Lin& down, int64_t T, const Knobs& k1, const Knobs& k2, int part, int64_t layer,
+           int64_t s1, int64_t s2, float* out) {
+    const int64_t I = gu.N / 2;
+    g_.resize(T * gu.N);
+    act_.resize(T * I);
+    linear(gu, h_.data(), T, g_.data(), k1, bf_, part, layer, s1);
+    round_all(g_.data(), T * gu.N);
+    silu_mul(g_.data(), T, I, act_.data());
+    linear(down, act_.data(), T, out, k2, bf_, part, layer, s2);
+    round_all(out, T * D_);
+  }
+
+  void dense(int64_t i, int64_t T, const std::vector<Knobs>& kn) {
+    const Layer& L = layers_[i];
+    m_.resize(T * D_);
+    mlp(L.gu, L.down, T, kn[kFfn1], kn[kDown], pDense, i, kFfn1, kDown, m_.data());
+  }
+
+  // DeepSeek routing exactly as kernels/reference.grouped_topk, one token at a time.
+  void route(const float* lg, const float* bias, int64_t E, float* w, int64_t* ids) {
+    std::vector<float> score(E), choice(E);
+    if (sigmoid_) {
+      for (int64_t e = 0; e < E; ++e) score[e] = 1.f / (1.f + std::exp(-lg[e]));
+    } else {
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, lg[e]);
+      for (int64_t e = 0; e < E; ++e) sum += (score[e] = std::exp(lg[e] - mx));
+      for (int64_t e = 0; e < E; ++e) score[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) choice[e] = bias ? score[e] + bias[e] : score[e];
+    const float ninf = -std::numeric_limits<float>::infinity();
+    if (n_group_ > 1) {
+      const int64_t per = E / n_group_;
+      std::vector<float> gs(n_group_);
+      for (int64_t g = 0; g < n_group_; ++g) {
+        float a = ninf, b = ninf;  // the best two of the group
+        for (int64_t j = 0; j < per; ++j) {
+          const float v = choice[g * per + j];
+          if (v > a) b = a, a = v; else if (v > b) b = v;
+        }
+        gs[g] = bias ? a + b : a;
+      }
+      std::vector<char> keep(n_group_, 0);
+      for (int64_t k = 0; k < topk_group_; ++k) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < n_group_; ++g)
+          if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        keep[best] = 1;
+      }
+      for (int64_t e = 0; e < E; ++e)
+        if (!keep[e / per]) choice[e] = ninf;
+    }
+    std::vector<char> taken(E, 0);
+    float sum = 0.f;
+    for (int64_t k = 0; k < topk_; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+      taken[best] = 1;
+      ids[k] = best;
+      w[k] = score[best];
+      sum += w[k];
+    }
+    for (int64_t k = 0; k < topk_; ++k) w[k] = (renorm_ ? w[k] / (sum + 1e-20f) : w[k]) * scaling_;
+  }
+
+  void moe(int64_t i, int64_t T, const std::vector<Knobs>& kn) {
+    const Layer& L = layers_[i];
+    const int64_t E = L.router.N;
+    logits_.resize(T * E);
+    linear(L.router, h_.data(), T, logits_.data(), kn[kRouter], false, pRouter, i, kRouter);
+    ids_.resize(T * topk_);
+    tw_.resize(T * topk_);
+    {
+      const auto t0 = tic();
+      const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
+      for (int64_t t = 0; t < T; ++t) route(logits_.data() + t * E, bias, E, tw_.data() + t * topk_, ids_.data() + t * topk_);
+      toc(pRouting, t0);
+    }
+    std::vector<char> used(E, 0);
+    int64_t n_used = 0;
+    for (int64_t id : ids_) n_used += !used[id], used[id] = 1;
+    experts_used_[i] = n_used;
+    m_.resize(T * D_);
+    {
+      const auto t0 = tic();
+      SerialScope one(serial((L.w13.bytes() + L.w2.bytes()) / E * n_used));
+      const at::Tensor hf = at::from_blob(h_.data(), {T, D_}, at::kFloat);
+      const at::Tensor x = bf_ ? hf.to(at::kBFloat16) : hf;
+      const at::Tensor w = at::from_blob(tw_.data(), {T, topk_}, at::kFloat);
+      const at::Tensor id = at::from_blob(ids_.data(), {T, topk_}, at::kLong);
+      const at::Tensor y = fused_moe(x, L.w13.fmt, L.w13.w, L.w13.scale, L.w13.zero, L.w2.w, L.w2.scale, L.w2.zero,
+                                     L.w13.N / 2, L.w13.group, L.w13.block_n, w, id, kn[kFfn1]);
+      std::memcpy(m_.data(), y.data_ptr<float>(), T * D_ * sizeof(float));
+      note("fused_moe", L.w13.fmt, T, i, kFfn1);
+      toc(pMoe, t0);
+    }
+    round_all(m_.data(), T * D_);
+    if (L.sh_gu.fmt >= 0) {
+      sh_.resize(T * D_);
+      mlp(L.sh_gu, L.sh_down, T, kn[kShGU], kn[kShDown], pShared, i, kShGU, kShDown, sh_.data());
+      for (int64_t k = 0; k < T * D_; ++k) m_[k] = rnd(m_[k] + sh_[k], bf_);
+    }
+  }
+};
+
+}  // namespace
+
+void bind_runner(py::module_& m) {
+  py::class_<DecodeRunner>(m, "DecodeRunner", "every decoder layer of a decode step in one call (graph_mode=cpp)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, int64_t, int64_t,
+                    int64_t, bool, bool, double, bool, int64_t>(),
+           py::arg("heads"), py::arg("qk_nope"), py::arg("qk_rope"), py::arg("kv_lora_rank"), py::arg("v_head"),
+           py::arg("hidden"), py::arg("eps"), py::arg("scale"), py::arg("interleave"), py::arg("topk"),
+           py::arg("n_group"), py::arg("topk_group"), py::arg("sigmoid"), py::arg("renormalize"),
+           py::arg("scaling"), py::arg("bf16"), py::arg("serial_below"))
+      .def("add_layer", &DecodeRunner::add_layer, "one layer's weights (kernel argument tuples) and tensors")
+      .def("set_knobs", &DecodeRunner::set_knobs, "the knob structs of one bucket: per layer, one per slot")
+      .def("has_knobs", &DecodeRunner::has_knobs)
+      .def("set_embedding", &DecodeRunner::set_embedding, "the token embedding and the rotary angles' inv_freq, factor")
+      .def_readonly("total_seconds", &DecodeRunner::total_s_)
+      .def("forward", &DecodeRunner::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_logits", &DecodeRunner::forward_logits, py::call_guard<py::gil_scoped_release>())
+      .def("set_lm_head", &DecodeRunner::set_lm_head, "the output projection's kernel arguments")
+      .def_readwrite("timing", &DecodeRunner::timing)
+      .def_readwrite("recording", &DecodeRunner::recording)
+      .def_readwrite("serial_below", &DecodeRunner::serial_below_)
+      .def_readonly("calls", &DecodeRunner::calls_)
+      .def_readonly("experts_used", &DecodeRunner::experts_used_)
+      .def_readonly("kv_bytes", &DecodeRunner::kv_bytes_)
+      .def("parts", &DecodeRunner::parts, "per breakdown part: (seconds, calls) of the last step (timing on)");
+  m.attr("RUNNER_SLOTS") = py::make_tuple("q_a", "q_b", "kv_a", "o", "attn", "ffn1", "shared_gate_up",
+                                          "shared_down", "down", "router");
+}
+
+}  // namespace moetune
