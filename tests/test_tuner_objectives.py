@@ -78,13 +78,13 @@ def test_space_holds_only_what_the_workload_observes():
     concurrency-measuring objective searches the serving limits, and only up to its batch."""
     limits = {"cores": 2, "ranks": 1}
     old = SearchSpace.from_catalogue(limits=limits, workload=SystemObjective("tpot", "tiny", mix=(Point(8, 4),)).provides)
-    assert sorted(old.names) == ["kv_block_size", "threads", "threads_decode", "threads_prefill"]
+    assert sorted(old.names) == ["graph_mode", "kv_block_size", "threads", "threads_decode", "threads_prefill"]
     assert {"decode_batch_cap", "max_running_requests", "chunked_prefill_size", "mla_absorb"} <= set(old.skipped)
     assert "serving limit" in old.skipped["max_running_requests"]
     assert "prompt tokens" in old.skipped["chunked_prefill_size"]
     mix = SearchSpace.from_catalogue(limits=limits, workload=SystemObjective("tpot", "tiny").provides)
-    assert sorted(mix.names) == ["chunked_prefill_size", "kv_block_size", "mla_absorb", "threads", "threads_decode",
-                                 "threads_prefill"]
+    assert sorted(mix.names) == ["chunked_prefill_size", "graph_mode", "kv_block_size", "mla_absorb", "threads",
+                                 "threads_decode", "threads_prefill"]
     assert mix.caps == {"chunked_prefill_size": 2032}
     small = SearchSpace.from_catalogue(limits=limits, workload=SystemObjective("tpot", "small").provides)
     assert "mla_absorb" in small.skipped and "contexts" in small.skipped["mla_absorb"]

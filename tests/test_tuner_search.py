@@ -250,11 +250,11 @@ def test_profile_holds_only_observed_knobs_and_never_lowers_serving_limits(tmp_p
                       storage(tmp_path), "observed", prior={"max_running_requests": 5, "chunked_prefill_size": 703})
         result = tuner.run()
     for t in tuner.study.trials:
-        assert set(t.user_attrs["knobs"]) == {"threads", "threads_prefill", "threads_decode", "kv_block_size"}
+        assert set(t.user_attrs["knobs"]) == {"threads", "threads_prefill", "threads_decode", "kv_block_size", "graph_mode"}
     planted = {**resolve_knobs(), "threads": 1, "kv_block_size": 16, "max_running_requests": 5,
                "decode_batch_cap": 365, "chunked_prefill_size": 703, "mla_absorb": "never"}
     written = profile_knobs({**result.knobs, **planted}, tuner)
-    assert set(written) <= {"threads", "threads_prefill", "threads_decode", "kv_block_size"}
+    assert set(written) <= {"threads", "threads_prefill", "threads_decode", "kv_block_size", "graph_mode"}
     assert written.get("kv_block_size") == 16
     thr = SystemObjective("throughput", "tiny", "float32", batch=8)
     tspace = SearchSpace.from_catalogue(limits={"cores": 2, "ranks": 1}, workload=thr.provides)
