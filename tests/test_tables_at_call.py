@@ -125,7 +125,7 @@ def test_autotune_both_tiers_writes_tables_that_the_calls_use(tmp_path):
     env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "results"), "MOETUNE_PROFILES": str(tmp_path / "profiles"),
            "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-m", "moetune_cli", "autotune", "--model", "tiny", "--dtype", "float32",
-                        "--trials", "3", "--kernel-trials", "2", "--token-buckets", "1,16", "--repeats", "1",
+                        "--trials", "3", "--kernel-trials", "2", "--token-buckets", "1,16", "--repeats", "1", "--table-rounds", "0",
                         "--seed", "0"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "kernel tier:" in p.stdout and "profile: " in p.stdout
@@ -146,3 +146,36 @@ def test_autotune_both_tiers_writes_tables_that_the_calls_use(tmp_path):
 
     check_tables(tables)
     assert doc["meta"]["model_key"] == model_key(llm.config, "fp32")
+
+
+@pytest.mark.parametrize("lose, expect", [
+    ({}, "all"),                                      # no point slower: every row kept
+    ({"ttft_s"}, "decode"),                           # only prefill slower: the decode rows kept
+    ({"tpot_s"}, "none"),                             # decode slower: nothing kept
+])
+def test_kernel_tables_are_confirmed_end_to_end(monkeypatch, lose, expect):
+    """autotune's check of the kernel tables against the defaults on the mix (measure planted: the
+    first candidate loses the planted metrics in every round, the decode rows alone lose nothing)."""
+    import argparse
+
+    import suites.profile_ab as ab
+    from tuner.autotune import confirm_tables, decode_rows
+
+    tables = {"linear": [{"format": "f32", "tokens": 1, "cpu_micro_rows": 8}, {"format": "f32", "tokens": 64}],
+              "cpu_mla_decode": [{"format": "f32", "batch": 1, "context": 128}],
+              "cpu_extend_attention": [{"format": "f32", "tokens": 128}]}
+    seen = []
+
+    def planted(llm, base, mix, rounds, progress=True):
+        seen.append(llm)
+        first = len(seen) == 1
+        return [{"point": p.label, "metric": m, "tuned": [1.0], "defaults": [1.0],
+                 "gains": [-0.1] * rounds if (first and m in lose) else [0.05] * rounds}
+                for p in mix for m in ("ttft_s", "tpot_s")]
+
+    monkeypatch.setattr(ab, "measure", planted)
+    args = argparse.Namespace(model="tiny", dtype="float32", mix="8/4", prompt_len=None, decode=None, batch=4,
+                              objective="tpot", latency_limit=10.0)
+    got = confirm_tables(args, tables, 2)
+    assert got == {"all": tables, "decode": decode_rows(tables), "none": {}}[expect]
+    assert decode_rows(tables) == {"linear": [tables["linear"][0]], "cpu_mla_decode": tables["cpu_mla_decode"]}

@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
                    help="kernel tier without a time budget (--trials): trials per op × shape × bucket study")
     a.add_argument("--token-buckets", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16, 64, 512],
                    help="kernel tier: token buckets of linear and fused MoE (default 1,4,16,64,512)")
+    a.add_argument("--table-rounds", type=int, default=3,
+                   help="kernel tier: alternating rounds of the end-to-end check of its tables against the "
+                        "defaults on the mix (0: no check)")
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--seed", type=int)
     a.set_defaults(func=run_autotune)
@@ -222,11 +225,54 @@ def _kernels(args, cfg, t0: float) -> int:
             tables.setdefault(op.name, []).extend(
                 {k: v for k, v in row.items() if k not in defaults or defaults[k] != v} for row in rows)
     print(kernel_gain_table(gains))
+    if args.table_rounds:
+        tables = confirm_tables(args, tables, args.table_rounds)
     path = profile_path(fingerprint()["hardware_key"], mkey)
     prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))
     prof.kernel_tables.update(tables)  # the system tier's knobs in the same profile are kept
     print(f"kernel tables for {', '.join(tables)}: {save_profile(prof, path)}")
     return 0
+
+
+def decode_rows(tables: dict) -> dict:
+    """The rows of the decode buckets only: linear / fused MoE at ≤ 4 tokens and MLA decode."""
+    keep = {op: [r for r in rows if op == "cpu_mla_decode" or (op in ("linear", "fused_moe") and r.get("tokens", 0) <= 4)]
+            for op, rows in tables.items()}
+    return {op: rows for op, rows in keep.items() if rows}
+
+
+def confirm_tables(args, tables: dict, rounds: int) -> dict:
+    """The kernel tables end to end: the model with them against without, alternating on the system
+    tier's mix (suites/profile_ab.py), `rounds` paired rounds per point. A point where the tables
+    lose in every round is a loss: if only TTFT lost, the decode rows alone are tried; what still
+    loses is dropped, so a profile's tables are never slower than the defaults on the mix."""
+    from engine.llm import LLM
+    from suites.profile_ab import measure, table
+    from tuner.objectives import shared_weights
+
+    obj = objective_from_args(args)
+    print(f"checking the kernel tables end to end: {rounds} alternating rounds on {', '.join(obj.points)}")
+    with shared_weights():
+        base = LLM(args.model, dtype=args.dtype, profile=None, progress=False)
+
+        def losses(candidate: dict) -> list[dict]:
+            llm = LLM(args.model, dtype=args.dtype, profile=None, progress=False, kernel_tables=candidate)
+            rows = measure(llm, base, obj.mix, rounds, progress=False)
+            print(table(rows))
+            return [r for r in rows if max(r["gains"]) < 0]
+
+        lost = losses(tables)
+        if not lost:
+            print("kernel tables kept: no point of the mix is slower with them")
+            return tables
+        print("slower with the tables: " + ", ".join(f"{r['metric']} @ {r['point']}" for r in lost))
+        if all(r["metric"] == "ttft_s" for r in lost) and decode_rows(tables):
+            decode = decode_rows(tables)
+            if not losses(decode):
+                print("kernel tables: the decode rows kept, the prefill rows dropped")
+                return decode
+        print("kernel tables dropped: the defaults are not slower anywhere")
+        return {}
 
 
 def _op_defaults(op) -> dict:

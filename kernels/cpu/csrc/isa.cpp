@@ -61,7 +61,10 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
 int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   const unsigned have = usable_features(), emu = emulated_features();
   unsigned feat = 0;
-  if (W.fmt == kInt8 && W.wsum && kn.int8_gemm == kInt8GemmVnni) feat = kFeatVnni;
+  // auto: the VNNI tile GEMM where the CPU has VNNI and no AMX (measured 1.9-3.0x unpack + BLAS at 512
+  // tokens on an Emerald Rapids VM, docs/cpu_kernels.md; AMX, where present, keeps its own path)
+  const bool vnni = kn.int8_gemm == kInt8GemmVnni || (kn.int8_gemm == kInt8GemmAuto && !(have & kFeatAmx));
+  if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
   if (!feat) return -1;
   return (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
