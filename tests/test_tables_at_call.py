@@ -178,4 +178,8 @@ def test_kernel_tables_are_confirmed_end_to_end(monkeypatch, lose, expect):
                               objective="tpot", latency_limit=10.0)
     got = confirm_tables(args, tables, 2)
     assert got == {"all": tables, "decode": decode_rows(tables), "none": {}}[expect]
-    assert decode_rows(tables) == {"linear": [tables["linear"][0]], "cpu_mla_decode": tables["cpu_mla_decode"]}
+    assert decode_rows(tables) == {"linear": [tables["linear"][0], {"format": "f32", "tokens": 64}],
+                                   "cpu_mla_decode": tables["cpu_mla_decode"],
+                                   "cpu_extend_attention": [{"format": "f32", "tokens": 128}]}
+    full = {"linear": [{"format": "f32", "tokens": 512, "cpu_micro_rows": 8}]}
+    assert decode_rows(full) == {"linear": [{"format": "f32", "tokens": 512}]}  # the bucket stays, at the defaults

@@ -235,10 +235,17 @@ def _kernels(args, cfg, t0: float) -> int:
 
 
 def decode_rows(tables: dict) -> dict:
-    """The rows of the decode buckets only: linear / fused MoE at ≤ 4 tokens and MLA decode."""
-    keep = {op: [r for r in rows if op == "cpu_mla_decode" or (op in ("linear", "fused_moe") and r.get("tokens", 0) <= 4)]
+    """The tables with the knob values of their decode buckets only (linear / fused MoE at ≤ 4 tokens,
+    MLA decode): every other row keeps its bucket but no knob value, i.e. the defaults there. (Dropping
+    those rows would not do: a prefill call would take the nearest remaining row, a decode one;
+    measured 40-50 % slower TTFT on `small`.)"""
+    from engine.knobs import CATALOGUE
+
+    def decode(op: str, row: dict) -> bool:
+        return op == "cpu_mla_decode" or (op in ("linear", "fused_moe") and row.get("tokens", 0) <= 4)
+
+    return {op: [r if decode(op, r) else {k: v for k, v in r.items() if k not in CATALOGUE} for r in rows]
             for op, rows in tables.items()}
-    return {op: rows for op, rows in keep.items() if rows}
 
 
 def confirm_tables(args, tables: dict, rounds: int) -> dict:
