@@ -11,20 +11,7 @@ MicroFn get_micro_int4b(int rows, int tokens) { return pick_rows<kInt4b>(rows, t
 // The INT4-int8 dot-product variants: micro_dot.inc on the instruction (dot_hw) and on its C++ model (dot_model).
 namespace moetune {
 namespace {
-#define MOETUNE_DOT_NS dot_hw
-#define MOETUNE_VNNI_ATTR MOETUNE_TARGET_VNNI
-#define MOETUNE_BF16_ATTR MOETUNE_TARGET_BF16
-#include "micro_dot.inc"
-#undef MOETUNE_DOT_NS
-#undef MOETUNE_VNNI_ATTR
-#undef MOETUNE_BF16_ATTR
-#define MOETUNE_DOT_NS dot_model
-#define MOETUNE_VNNI_ATTR
-#define MOETUNE_BF16_ATTR
-#include "micro_dot.inc"
-#undef MOETUNE_DOT_NS
-#undef MOETUNE_VNNI_ATTR
-#undef MOETUNE_BF16_ATTR
+#include "micro_dot_both.inc"
 }  // namespace
 MicroFn get_micro_int4_dot(int fmt, int rows, int tokens) {
   if (fmt == kInt4bDp) { MOETUNE_DOT_PICK(dot_hw, micro_int4b_dp, VnniHw, rows, tokens) }
