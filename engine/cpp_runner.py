@@ -106,17 +106,20 @@ class CppDecodeRunner:
     # ------------------------------------------------------------ knobs per bucket
 
     def _choice(self, weight, tokens: int):
-        sites = getattr(self.ops, "_weight_sites", None)
-        site = sites.get(id(weight)) if sites is not None else None
-        return site.choice(tokens) if site is not None else None
+        choice = getattr(self.ops, "weight_choice", None)  # TunedOps: the per-call tables
+        return choice(weight, tokens) if choice is not None else None
 
     def _mla_choice(self, tokens: int, context: int):
-        site_of = getattr(self.ops, "_site", None)
-        if site_of is None:
+        choice = getattr(self.ops, "attention_choice", None)
+        if choice is None:
             return None
         c = self.model.cfg
-        site = site_of("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim))
-        return site.choice(tokens, context) if site is not None else None
+        return choice("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim), tokens, context)
+
+    def _struct(self, choice):
+        """A choice's knob struct (its prebuilt one, or one built from its overrides; None: the defaults)."""
+        arg = choice.arg if choice is not None else None
+        return arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg)
 
     def _key(self, tokens: int, context: int) -> int:
         mla = self._mla_choice(tokens, context)
@@ -124,17 +127,10 @@ class CppDecodeRunner:
         key = self._keys.get(k)
         if key is None:
             key = self._keys[k] = len(self._keys)
-            structs = []
-            for by_slot in self.layer_weights:
-                row = []
-                for s in self.slots:
-                    ch = mla if s == "attn" else (self._choice(by_slot[s], tokens) if s in by_slot else None)
-                    arg = ch.arg if ch is not None else None
-                    row.append(arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg))
-                structs.append(row)
+            structs = [[self._struct(mla if s == "attn" else self._choice(by_slot[s], tokens) if s in by_slot else None)
+                        for s in self.slots] for by_slot in self.layer_weights]
             head = self._choice(self.lm_head, tokens) if self.has_lm_head else None
-            arg = head.arg if head is not None else None
-            structs.append([arg if isinstance(arg, self._cpu._ext.Knobs) else self._cpu.make_knobs(arg)] * len(self.slots))
+            structs.append([self._struct(head)] * len(self.slots))
             self.runner.set_knobs(key, structs)
             self._structs[key] = structs
         return key

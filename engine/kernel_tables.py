@@ -175,26 +175,36 @@ class TunedOps:
         """The wrapped kernel backend module."""
         return self._ops
 
-    def linear(self, x, weight):
+    def weight_choice(self, weight, tokens: int) -> Choice | None:
+        """The choice of a weight-bearing call site for `tokens` rows (None: the weight has no site)."""
         site = self._weight_sites.get(id(weight))
-        if site is None:
+        return None if site is None else site.choice(tokens)
+
+    def attention_choice(self, op: str, key: tuple, *bucket: int) -> Choice | None:
+        """The choice of an attention call site (op, its shape key) for its bucket values."""
+        site = self.attention_site(op, key)
+        return None if site is None else site.choice(*bucket)
+
+    def linear(self, x, weight):
+        choice = self.weight_choice(weight, x.shape[0])
+        if choice is None:
             return self._ops.linear(x, weight)
-        return self._ops.linear(x, weight, knobs=site.choice(x.shape[0]).arg)
+        return self._ops.linear(x, weight, knobs=choice.arg)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
-        site = self._weight_sites.get(id(w13))
-        if site is None:
+        choice = self.weight_choice(w13, x.shape[0])
+        if choice is None:
             return self._ops.fused_moe(x, w13, w2, topk_weights, topk_ids)
-        return self._ops.fused_moe(x, w13, w2, topk_weights, topk_ids, knobs=site.choice(x.shape[0]).arg)
+        return self._ops.fused_moe(x, w13, w2, topk_weights, topk_ids, knobs=choice.arg)
 
-    def _site(self, op: str, key: tuple) -> SitePlan | None:
+    def attention_site(self, op: str, key: tuple) -> SitePlan | None:
         k = (op, key)
         if k not in self._attn:
             self._attn[k] = self._attention_site(op, key)
         return self._attn[k]
 
     def mla_decode(self, q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows=None, slots=None):
-        site = self._site("mla_decode", (q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]))
+        site = self.attention_site("mla_decode", (q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]))
         if site is None:
             return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots)
         if seq_lens is not self._lens:  # once per step, not per layer
@@ -203,7 +213,7 @@ class TunedOps:
         return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots, knobs=arg)
 
     def extend_attention(self, q, k, v, scale):
-        site = self._site("extend_attention", (q.shape[1], q.shape[2], v.shape[2]))
+        site = self.attention_site("extend_attention", (q.shape[1], q.shape[2], v.shape[2]))
         if site is None:
             return self._ops.extend_attention(q, k, v, scale)
         return self._ops.extend_attention(q, k, v, scale, knobs=site.choice(q.shape[0]).arg)

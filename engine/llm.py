@@ -144,7 +144,6 @@ class LLM:
         kt.check_tables(tables, where)
         sources = kt.knob_sources(self.profile.knobs if self.profile else {}, command_line)
         make_arg = getattr(ops, "make_knobs", None)
-        fmt_names = {v: k for k, v in ops.FORMAT_IDS.items()}
         sites: dict[tuple, kt.SitePlan] = {}
 
         def site(op: str, fmt: str, shape: dict) -> kt.SitePlan:
@@ -157,7 +156,7 @@ class LLM:
         for name, w in weights.items():
             if not isinstance(w, ops.Packed) or name.endswith("experts.w2"):
                 continue
-            fmt, n, k = fmt_names[w.args[0]], w.args[2], w.args[3]
+            fmt, n, k = ops.FORMAT_NAMES[w.args[0]], w.args[2], w.args[3]
             if name.endswith("experts.w13"):
                 shape = {"experts": w.args[1].shape[0], "inter": n // 2, "hidden": k,
                          "topk": self.config.num_experts_per_tok}

@@ -13,13 +13,7 @@ import argparse
 import statistics
 import sys
 
-import torch
-
 from engine.errors import MoetuneError
-
-
-def _prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def measure(tuned, defaults, mix, repeats: int, progress: bool = True) -> list[dict]:
@@ -27,10 +21,11 @@ def measure(tuned, defaults, mix, repeats: int, progress: bool = True) -> list[d
     from tqdm import tqdm
 
     from suites.e2e import run_batch, run_once
+    from tuner.objectives import SystemObjective
 
     rows = []
     for point in mix:
-        prompts = [_prompt(tuned.config.vocab_size, point.prompt, seed) for seed in range(point.batch)]
+        prompts = [SystemObjective.prompt(tuned.config.vocab_size, point.prompt, seed) for seed in range(point.batch)]
 
         def run(llm):
             r = run_batch(llm, prompts, point.decode) if point.batch > 1 else run_once(llm, prompts[0], point.decode)

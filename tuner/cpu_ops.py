@@ -183,11 +183,12 @@ def model_ops(sites, token_buckets=TOKEN_BUCKETS, ops=None, formats=None) -> lis
     """Kernel-tier ops on a loaded model's own call sites (`LLM.kernel_plan`): one op per (op,
     format), its buckets every distinct shape × the token buckets (MLA decode: batch × context),
     so the tables it yields match the sites by shape (engine/kernel_tables.py)."""
+    from engine.kernel_tables import BACKEND_TO_TABLE
+
     knobs = _registered(CATALOGUE)
     groups: dict[tuple, list] = {}
     for site in sites:
-        name = {"linear": "linear", "fused_moe": "fused_moe", "mla_decode": "cpu_mla_decode",
-                "extend_attention": "cpu_extend_attention"}[site.op]
+        name = BACKEND_TO_TABLE[site.op]
         if (ops and name not in ops) or (formats and site.format not in formats):
             continue
         shape = dict(site.shape)
