@@ -68,7 +68,7 @@ def measure(llm: LLM, prompt_len: int, decode: int, repeats: int, seed: int = 0)
     return {"prompt_len": prompt_len, "decode_tokens": decode, "repeats": repeats,
             "ttft_s": summarize([r["ttft_s"] for r in runs]), "prefill_tok_s": prefill,
             "decode_tok_s": dec, "decode_weight_gb_s": gbs,
-            "backend": llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
+            "backend": "cuda" if llm.device.type == "cuda" else llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
             "threads": llm.knobs["threads"], "threads_prefill": llm.knobs["threads_prefill"],
             "threads_decode": llm.knobs["threads_decode"], "machine": fingerprint()}
 
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model runs (cuda: every layer on one GPU, the Triton kernels)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
     ap.add_argument("--breakdown", action="store_true",
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     try:
         if args.breakdown:
             return breakdown.run_args(args, LLM)
-        llm = LLM(args.model, dtype=args.dtype, knobs=breakdown.knob_overrides(args))
+        llm = LLM(args.model, dtype=args.dtype, knobs=breakdown.knob_overrides(args), device=args.device)
     except MoetuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         print(json.dumps(r))
         return 0
     f = lambda d, fmt: f"{fmt.format(d['median'])} [{fmt.format(d['min'])}–{fmt.format(d['max'])}]"  # noqa: E731
-    print(f"model {args.model} ({r['dtype']}, backend {r['backend']}, {r['threads_prefill']}/{r['threads_decode']} "
+    print(f"model {args.model} on {args.device} ({r['dtype']}, backend {r['backend']}, {r['threads_prefill']}/{r['threads_decode']} "
           f"threads prefill/decode) on {r['machine']['cpu_model']} [{r['machine']['hash']}]")
     print(f"  prefill {args.prompt_len} tokens: TTFT {f(r['ttft_s'], '{:.3f}')} s, {f(r['prefill_tok_s'], '{:.1f}')} tokens/s")
     print(f"  decode {args.decode} tokens: {f(r['decode_tok_s'], '{:.2f}')} tokens/s "
