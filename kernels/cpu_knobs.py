@@ -41,8 +41,9 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
          "has already fetched)", low=1, high=64, log=True),
     Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
-         "CPU linear / fused MoE (tokens per expert), BF16 and INT8 weights: from this many rows the "
-         "GEMM runs on AMX tiles where the CPU has AMX (inert elsewhere)", low=1, high=4096, log=True),
+         "CPU linear / fused MoE (tokens per expert), INT8 weights, and BF16 weights on bf16 "
+         "activations: from this many rows the GEMM runs on AMX tiles where the CPU has AMX (inert "
+         "elsewhere; float32 activations are never rounded to bf16 for it)", low=1, high=4096, log=True),
     Knob("cpu_int8_isa", str, "auto", "kernels/cpu",
          "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
          "vpdpbusd (AVX512-VNNI) on activations + 128 (64 products per instruction, exact), avx512: "

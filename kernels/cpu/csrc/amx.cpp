@@ -282,7 +282,12 @@ const std::string& amx_unavailable() {
   return reason;
 }
 
-bool amx_usable(int fmt) { return (fmt == kBF16 || fmt == kInt8) && (usable_features() & kFeatAmx); }
+// BF16 weights take AMX only on activations that are bf16 already (TDPBF16PS rounds float32 ones to
+// bf16: a float32 run must not change its numerics by itself on an AMX CPU); INT8 takes it on the
+// quantized integers, exact like every INT8 path.
+bool amx_usable(int fmt, bool act_bf16) {
+  return (fmt == kInt8 || (fmt == kBF16 && act_bf16)) && (usable_features() & kFeatAmx);
+}
 
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
 // the integer sums, the caller applies the scales), on one tile engine: the AMX tiles or their

@@ -382,7 +382,10 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     const at::Tensor w = at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
     return at::linear(x_act.to(at::kBFloat16), w).to(at::kFloat);
   }
-  if (amx_usable(W.fmt) && x_act.size(0) >= kn.amx_min_tokens) {
+  // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni) runs
+  // even where AMX is present: AMX is what "unpack" and "auto" take there
+  const bool named_dot = (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) || (W.fmt == kInt8 && kn.int8_gemm == kInt8GemmVnni);
+  if (!named_dot && amx_usable(W.fmt, W.act_bf16) && x_act.size(0) >= kn.amx_min_tokens) {
     note_used(kUsedAmx);
     return gemm_amx(x_act, W, false);
   }
@@ -419,7 +422,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   reset_used();
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn, x.scalar_type() == at::kBFloat16).base;
   const int64_t M = x.size(0);
-  const bool gemm = M >= gemm_from(W.fmt, kn);
+  const bool gemm = M >= gemm_from(W.fmt, kn, W.act_bf16);
   if (gemm) W.no_micro_forms();
   PreparedAct p = prepare_act(x, W);
   if (gemm) {

@@ -131,7 +131,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
 
   std::vector<int64_t> small, large;
   for (int64_t e = 0; e < E; ++e)
-    if (r.count[e] > 0) (r.count[e] >= gemm_from((int)fmt, kn) ? large : small).push_back(e);
+    if (r.count[e] > 0) (r.count[e] >= gemm_from((int)fmt, kn, act_bf16) ? large : small).push_back(e);
 
   // phase 1: h [P, I]
   // the microkernel-only activation forms (INT4 int16 / int8, FP8 widen) only where a microkernel reads them

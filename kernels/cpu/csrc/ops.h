@@ -77,7 +77,7 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
 // AMX (amx.cpp): why the tiles cannot run here ("" when they can); whether a format takes them;
 // the GEMM on them (emulate: the same kernel on a C++ model of the tile instructions).
 const std::string& amx_unavailable();
-bool amx_usable(int fmt);
+bool amx_usable(int fmt, bool act_bf16);
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
 // The tile GEMM on one engine: AMX, its C++ model, or AVX-512 dot-product tiles (VNNI / AVX512-BF16)
 // or their C++ model (amx.cpp).
@@ -86,8 +86,8 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
-inline int64_t gemm_from(int fmt, const Knobs& kn) {  // AMX: under the feature mask too
-  return amx_usable(fmt) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
+inline int64_t gemm_from(int fmt, const Knobs& kn, bool act_bf16) {  // AMX: under the feature mask too
+  return amx_usable(fmt, act_bf16) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
