@@ -9,7 +9,9 @@ Shapes: the `small` preset's (D=2048, I=1408, E=64, top-6; dense gate_up [11264,
 [32000, 2048]) and DeepSeek-V3's (D=7168, I=2048, top-8, --experts-v3 of its 256 experts;
 o_proj [7168, 16384]). Weights are random values made directly in each format (no quantizer run).
 For fused MoE every repeat routes to other experts (a cycle of 8 routings), so weights come from
-DRAM as in decode, and the bytes counted are those of the experts each call touches.
+DRAM as in decode, and the bytes counted are those of the experts each call touches. A linear case
+below 64 tokens cycles through copies of its weight (ours and torch's each) that together exceed twice the last-level
+cache and POOL_BYTES, for the same reason (a 300 MiB L3 would otherwise hold a 46 MB weight).
 
 Attention (default ops: fused_moe and linear only; the format is the cache's, bf16):
 - mla_decode: B = --tokens sequences (default 1, 4, 16) of --context keys each (default 512, 2048,
@@ -46,6 +48,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -218,17 +221,48 @@ def bench_moe(shape: MoeShape, fmt: str, t: int, repeats: int, g: torch.Generato
                 ours, theirs, touched * expert_bytes(w13, w2), flops)
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0 (sysfs), 32 MiB where sysfs does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            v = f.read_text().strip().upper()
+            sizes.append(int(v[:-1]) << {"K": 10, "M": 20, "G": 30}[v[-1]] if v[-1] in "KMG" else int(v))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def weight_copies(nbytes: int) -> int:
+    """Distinct copies of a weight that a linear case cycles through, so that each call streams its
+    weight from DRAM (as in decode, where every layer's weights are read once per token) rather than
+    from a last-level cache that can hold it (300 MiB on some server CPUs): together ≥ 2 × the LLC
+    and ≥ POOL_BYTES; one copy where one already exceeds that."""
+    return max(1, -(-max(2 * last_level_cache_bytes(), POOL_BYTES) // max(1, nbytes)))
+
+
 def bench_linear(shape: LinearShape, fmt: str, t: int, repeats: int, g: torch.Generator) -> dict:
     import kernels.cpu as cpu
 
-    w = random_weight((shape.n, shape.k), fmt, g)
-    p = cpu.prepare(w)
-    w = getattr(p, "orig", w)
-    wd = w.dequantize(torch.bfloat16)
+    ours_w, theirs_w = [], []
+    # memory-bound token counts cycle through copies (ours and torch's each their own); from 64 tokens
+    # the case is compute-bound and one copy serves
+    for _ in range(weight_copies(weight_nbytes(shape, fmt)) if t < 64 else 1):
+        w = random_weight((shape.n, shape.k), fmt, g)
+        p = cpu.prepare(w)
+        w = getattr(p, "orig", w)
+        ours_w.append(p)
+        theirs_w.append(w.dequantize(torch.bfloat16))
     x = torch.randn(t, shape.k, generator=g).to(torch.bfloat16)
-    ours, theirs = alternate(lambda r: cpu.linear(x, p), lambda r: F.linear(x, wd), repeats)
+    n = len(ours_w)
+    ours, theirs = alternate(lambda r: cpu.linear(x, ours_w[r % n]), lambda r: F.linear(x, theirs_w[r % n]), repeats)
     return _row("linear", fmt, t, f"{shape.name} [{shape.n}, {shape.k}]", ours, theirs, w.nbytes,
                 2 * t * shape.n * shape.k)
+
+
+def weight_nbytes(shape: LinearShape, fmt: str) -> int:
+    """Bytes of an [n, k] weight in this format (scales aside): the copies' sizing."""
+    return int(shape.n * shape.k * {"bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}[fmt])
 
 
 def bf16_randn(g: torch.Generator, *shape: int) -> torch.Tensor:

@@ -63,3 +63,33 @@ def test_rowlen_sweep_reads_the_same_bytes_at_each_length(capsys):
     assert {r["row_bytes"] for r in rows if r["format"] == "int4"} == {32, 128}
     assert "GB/s" in capsys.readouterr().out
     assert rowlen.main(["--mib", "0"]) == 2
+
+
+def test_linear_cases_stream_their_weight_from_dram(monkeypatch):
+    """A linear case below 64 tokens cycles through copies of its weight that together exceed twice
+    the last-level cache (and the pool size), one call per copy in turn, ours and torch's each their own."""
+    monkeypatch.setattr(suite, "POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(suite, "last_level_cache_bytes", lambda: 3 << 20)
+    assert suite.weight_copies(1 << 20) == 6 and suite.weight_copies(5 << 20) == 2 and suite.weight_copies(64 << 20) == 1
+    assert suite.weight_nbytes(suite.LinearShape("x", 1024, 512), "int4") == 1024 * 256
+    monkeypatch.undo()  # the real one reads sysfs
+    assert suite.last_level_cache_bytes() >= 32 << 10
+
+
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+def test_linear_case_cycles_through_distinct_copies(monkeypatch):
+    import kernels.cpu as cpu
+    import tuner.probe
+
+    monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_gbps": 10.0, "fp32_fma_gflops": 100.0})
+    monkeypatch.setattr(suite, "POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(suite, "last_level_cache_bytes", lambda: 1 << 20)
+    seen, real = [], cpu.linear
+    monkeypatch.setattr(cpu, "linear", lambda x, w, knobs=None: seen.append(id(w)) or real(x, w, knobs))
+    g = __import__("torch").Generator().manual_seed(0)
+    suite.bench_linear(suite.LinearShape("t", 256, 512), "int8", 1, 4, g)  # 128 KiB a copy: 16 copies
+    # rounds 0 (recorded warm-up), 1 (warm-up), then 0..3 timed: round r takes copy r (16 copies here)
+    assert len(seen) == 6 and seen[0] == seen[2] and seen[1] == seen[3] and len(set(seen)) == 4
+    seen.clear()
+    suite.bench_linear(suite.LinearShape("t", 256, 512), "int8", 64, 2, g)  # compute-bound: one copy
+    assert len(set(seen)) == 1
