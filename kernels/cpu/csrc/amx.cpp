@@ -177,13 +177,49 @@ MOETUNE_DOT_TILES(DotTilesModel, , , VnniModel, Bf16Model, true)
 // Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
 // B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
 // at byte offset 64·kt + 4·kk of that row (zeros past N or past the row's data).
+// 16 rows of 64 bytes (src[n] + off) as a 16 × 16 matrix of 32-bit units, transposed into 16 rows of
+// 64 bytes at dst (row kk = unit kk of every source row): unpack 32-bit, unpack 64-bit, then two
+// rounds of 128-bit lane shuffles.
+inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst) {
+  __m512i r[16], t[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + off);
+  for (int n = 0; n < 16; n += 2) {
+    t[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
+    t[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
+  }
+  // u[4g + c], per 128-bit lane L: unit 4L + c of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* q = t + 4 * g;
+    r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // output row 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(dst + (0 + c) * 64, _mm512_shuffle_i32x4(s0, s2, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * 64, _mm512_shuffle_i32x4(s0, s2, 0xDD));
+    _mm512_storeu_si512(dst + (8 + c) * 64, _mm512_shuffle_i32x4(s1, s3, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * 64, _mm512_shuffle_i32x4(s1, s3, 0xDD));
+  }
+}
+
 void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes, uint8_t* dst) {
   const int64_t ktiles = kbytes / 64;
+  // whole blocks: 16 × 16 transposes in registers for every K tile inside the rows' data; the
+  // zero-padded tail tile (and blocks past N) take the byte loop below
+  const int64_t full_kt = n0 + 32 <= W.N ? data_bytes / 64 : 0;
+  for (int64_t h = 0; h < 2 && full_kt > 0; ++h) {
+    const uint8_t* rows[16];
+    for (int64_t n = 0; n < 16; ++n) rows[n] = W.w + (n0 + 16 * h + n) * W.row_bytes;
+    for (int64_t kt = 0; kt < full_kt; ++kt) transpose16_u32(rows, 64 * kt, dst + (kt * 2 + h) * 1024);
+  }
   for (int64_t h = 0; h < 2; ++h)
     for (int64_t n = 0; n < 16; ++n) {
       const int64_t row = n0 + 16 * h + n;
       const uint8_t* src = row < W.N ? W.w + row * W.row_bytes : nullptr;
-      for (int64_t kt = 0; kt < ktiles; ++kt) {
+      for (int64_t kt = full_kt; kt < ktiles; ++kt) {
         uint8_t* tile = dst + (kt * 2 + h) * 1024;
         for (int64_t kk = 0; kk < 16; ++kk) {
           const int64_t off = 64 * kt + 4 * kk;
@@ -243,6 +279,22 @@ void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView
         T::template store<1>(c[1], 64);
         T::template store<2>(c[2], 64);
         T::template store<3>(c[3], 64);
+        if (m0 + 32 <= M && nb * 32 + 32 <= N) {  // a whole 2 × 2 block: 16 lanes a row
+          const __m512i c128 = _mm512_set1_epi32(128);
+          for (int q = 0; q < 4; ++q)
+            for (int64_t i = 0; i < 16; ++i) {
+              const int64_t n = nb * 32 + 16 * (q % 2);
+              float* dst = out + (m0 + 16 * (q / 2) + i) * N + n;
+              const __m512i v = _mm512_load_si512((const void*)(c[q] + i * 16));
+              if constexpr (Int8) {  // comp: the unsigned A's 128·Σ_k W[n, k] off each sum (mod 2^32, as below)
+                const __m512i w = comp ? _mm512_mullo_epi32(c128, _mm512_loadu_si512(comp + n)) : _mm512_setzero_si512();
+                _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, w)));
+              } else {
+                _mm512_storeu_si512(dst, v);
+              }
+            }
+          continue;
+        }
         for (int q = 0; q < 4; ++q) {  // tile q: rows m0 + 16·(q / 2), columns nb·32 + 16·(q % 2)
           for (int64_t i = 0; i < 16; ++i) {
             const int64_t m = m0 + 16 * (q / 2) + i;
