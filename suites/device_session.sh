@@ -111,8 +111,34 @@ suite mla 70 --op mla_decode --shapes all
 # the same cases on the fallbacks, where the CPU has the native instructions (ratios native/fallback)
 suite moe_fallback 40 --op fused_moe --shapes small --format bf16 --format fp8 --format int8 --tokens 1 \
     --knob cpu_bf16_isa=avx512 --knob cpu_int8_isa=avx512
-suite linear_vnni 30 --op linear --shapes small --format bf16 --format int8 --tokens 512 \
+suite linear_dot 30 --op linear --shapes small --format bf16 --format int8 --tokens 512 \
     --knob cpu_int8_gemm=vnni --knob cpu_bf16_gemm=avx512bf16
+# why the "onednn" variant (torch's own at::linear, called from C++) measured 0.62x F.linear on the
+# AMX host (session 5): the same product timed four ways, alternating, 2 threads
+timeout 60 taskset -c "$PAIR" $PY - > "$W/onednn_diag.log" 2>&1 <<'PYEOF'
+import statistics, time, torch
+import torch.nn.functional as F
+import kernels.cpu as cpu
+from kernels.formats import DenseWeight
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+w = torch.randn(11264, 2048, generator=g).bfloat16()
+x = torch.randn(512, 2048, generator=g).bfloat16()
+p = cpu.prepare(DenseWeight(w))
+ways = {"F.linear bf16": lambda: F.linear(x, w),
+        "F.linear, output to float": lambda: F.linear(x, w).float(),
+        "cpu.linear onednn": lambda: cpu.linear(x, p, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 1}),
+        "cpu.linear amx (unpack)": lambda: cpu.linear(x, p, knobs={"cpu_bf16_gemm": "unpack", "cpu_gemm_min_tokens": 1})}
+t = {k: [] for k in ways}
+for f in ways.values():
+    f(); f()
+for _ in range(7):
+    for k, f in ways.items():
+        t0 = time.perf_counter(); f(); t[k].append(time.perf_counter() - t0)
+for k, v in t.items():
+    print(f"{k:28s} {statistics.median(v) * 1e3:8.2f} ms [{min(v) * 1e3:.2f}-{max(v) * 1e3:.2f}]")
+PYEOF
+stamp "onednn diagnosis rc=$?"
 fi
 fi
 
