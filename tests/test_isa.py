@@ -227,7 +227,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_dot_instructions_appear_only_in_dispatched_functions():
     """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
-    in the functions compiled for them (dot_hw kernels, the dot-product tiles, the probe's peaks, the AMX tile class)."""
+    in the functions compiled for them (dot_hw kernels, the dot-product GEMM's native blocks, the probe's peaks, the AMX tile class)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
                          text=True, check=True).stdout
     where, fn = {}, ""
@@ -238,7 +238,7 @@ def test_dot_instructions_appear_only_in_dispatched_functions():
             where.setdefault(fn, 0)
             where[fn] += 1
     assert where, "no dot-product instruction at all: the variants were not compiled"
-    allowed = ("dot_hw::", "DotTilesHw::", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
+    allowed = ("dot_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
     stray = [f for f in where if not any(a in f for a in allowed)]
     assert not stray, stray
     assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)

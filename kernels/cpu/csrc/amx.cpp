@@ -13,6 +13,8 @@
 // target attribute, executed only where cpuid reports AMX and Linux grants the tile state), and on a
 // plain C++ emulation of the same tile registers and instructions, so that the packing, the
 // blocking and the tails are tested on every machine (tests/test_amx.py).
+// CPUs without AMX but with AVX512-VNNI / AVX512-BF16 run the same packed B blocks through a
+// register-blocked dot-product kernel (gemm_dot: 8 × 32 accumulators in registers over the whole K).
 #include <cpuid.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -48,7 +50,6 @@ TileConfig full_tiles() {  // every tile 16 rows × 64 bytes
 // literal: the template parameter selects one of the literal forms.
 #define MOETUNE_TILE_CASES(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 struct AmxHw {
-  static constexpr bool kFlushDenormals = false;
   MOETUNE_AMX static void config(const TileConfig* c) { _tile_loadconfig(c); }
   MOETUNE_AMX static void release() { _tile_release(); }
   template <int T> MOETUNE_AMX static void zero() {
@@ -87,7 +88,6 @@ struct AmxHw {
 // bytes; TDPBF16PS: C.fp32[m][n] += A.bf16[m][2k]·B.bf16[k][2n] + A.bf16[m][2k+1]·B.bf16[k][2n+1];
 // TDPBSSD: C.int32[m][n] += Σ_j A.s8[m][4k+j]·B.s8[k][4n+j]).
 struct AmxEmu {
-  static constexpr bool kFlushDenormals = false;
   static inline thread_local uint8_t reg[8][16][64];
   static void config(const TileConfig*) { std::memset(reg, 0, sizeof(reg)); }
   static void release() {}
@@ -128,51 +128,45 @@ struct AmxEmu {
   }
 };
 
-// The same tile machine on AVX-512 registers and dot-product instructions (the prefill GEMM of CPUs
-// with AVX512-VNNI / AVX512-BF16 but no AMX): each tile is memory, and one tile product is, per row m
-// of C, 16 dot-product instructions against the 16 rows of B held in registers, the 4 bytes of A at
-// each K position broadcast: lane n of row m accumulates Σ_j A[m][4k+j]·B[k][4n+j], TDPBSSD's and
-// TDPBF16PS's definition. INT8 runs vpdpbusd, unsigned × signed: A holds the activations + 128 and
-// gemm_tiles subtracts 128·Σ_k W[n, k] (WeightView::wsum) from each sum. Defined twice: on the
-// instructions (a function-level target) and on their C++ models (dot.h, run with MXCSR.DAZ|FTZ).
-#define MOETUNE_DOT_TILES(NAME, VATTR, BATTR, PV, PB, FLUSH)                                         \
-  struct NAME {                                                                                      \
-    static constexpr bool kFlushDenormals = FLUSH;                                                  \
-    alignas(64) static inline thread_local uint8_t reg[8][16][64];                                   \
-    static void config(const TileConfig*) { std::memset(reg, 0, sizeof(reg)); }                     \
-    static void release() {}                                                                         \
-    template <int T> static void zero() { std::memset(reg[T], 0, sizeof(reg[T])); }                  \
-    template <int T> static void load(const void* p, int64_t stride) {                               \
-      for (int r = 0; r < 16; ++r) std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64); \
-    }                                                                                                \
-    template <int T> static void store(void* p, int64_t stride) {                                    \
-      for (int r = 0; r < 16; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64); \
-    }                                                                                                \
-    static int32_t a32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }            \
-    template <int C, int A, int B> VATTR static void dp_int8() {                                     \
-      __m512i b[16];                                                                                 \
-      for (int k = 0; k < 16; ++k) b[k] = _mm512_load_si512((const void*)reg[B][k]);                \
-      for (int m = 0; m < 16; ++m) {                                                                 \
-        __m512i c = _mm512_load_si512((const void*)reg[C][m]);                                       \
-        _Pragma("GCC unroll 16") for (int k = 0; k < 16; ++k)                                        \
-          c = PV::dpbusd(c, _mm512_set1_epi32(a32(&reg[A][m][4 * k])), b[k]);                        \
-        _mm512_store_si512((void*)reg[C][m], c);                                                     \
+// The prefill GEMM of CPUs with AVX512-VNNI / AVX512-BF16 but no AMX, on the same packed B block as
+// the tiles (pack_b: for each 4-byte K unit u, the 32 columns' 4 bytes in two 64-byte rows, at
+// (u / 16)·2048 + (u % 16)·64 and 1024 further): a register-blocked kernel of 8 rows × 32 columns,
+// 16 accumulators held in registers over the whole K, one broadcast of A's 4 bytes per row and unit
+// against the two B vectors — TDPBSSD's / TDPBF16PS's lane definition, in the same order of units,
+// so the result equals the tile engines'. INT8 runs vpdpbusd, unsigned × signed: A holds the
+// activations + 128 and the write-back subtracts 128·Σ_k W[n, k] (WeightView::wsum). Defined twice: on
+// the instructions (a function-level target) and on their C++ models (dot.h; the BF16 model under
+// MXCSR.DAZ|FTZ, the instruction's denormal rule).
+inline int32_t load_u32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+#define MOETUNE_DOT_BLOCK(NAME, ATTR, VEC, ZERO, DP, STORE)                                           \
+  ATTR void NAME(const uint8_t* a, int64_t kbytes, const uint8_t* b, void* c) {                     \
+    VEC acc[8][2];                                                                                   \
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = ZERO;                                        \
+    const int64_t units = kbytes / 4;                                                                \
+    for (int64_t u = 0; u < units; ++u) {                                                            \
+      const uint8_t* bu = b + (u / 16) * 2048 + (u % 16) * 64;                                       \
+      const __m512i b0 = _mm512_load_si512((const void*)bu), b1 = _mm512_load_si512((const void*)(bu + 1024)); \
+      _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {                                         \
+        const __m512i av = _mm512_set1_epi32(load_u32(a + i * kbytes + 4 * u));                      \
+        acc[i][0] = DP(acc[i][0], av, b0);                                                           \
+        acc[i][1] = DP(acc[i][1], av, b1);                                                           \
       }                                                                                              \
     }                                                                                                \
-    template <int C, int A, int B> BATTR static void dp_bf16() {                                     \
-      __m512i b[16];                                                                                 \
-      for (int k = 0; k < 16; ++k) b[k] = _mm512_load_si512((const void*)reg[B][k]);                \
-      for (int m = 0; m < 16; ++m) {                                                                 \
-        __m512 c = _mm512_load_ps((const float*)reg[C][m]);                                          \
-        _Pragma("GCC unroll 16") for (int k = 0; k < 16; ++k)                                        \
-          c = PB::dpbf16(c, _mm512_set1_epi32(a32(&reg[A][m][4 * k])), b[k]);                        \
-        _mm512_store_ps((float*)reg[C][m], c);                                                       \
-      }                                                                                              \
+    for (int i = 0; i < 8; ++i) {                                                                    \
+      STORE(static_cast<uint8_t*>(c) + i * 128, acc[i][0]);                                          \
+      STORE(static_cast<uint8_t*>(c) + i * 128 + 64, acc[i][1]);                                     \
     }                                                                                                \
-  };
-MOETUNE_DOT_TILES(DotTilesHw, MOETUNE_TARGET_VNNI, MOETUNE_TARGET_BF16, VnniHw, Bf16Hw, false)
-MOETUNE_DOT_TILES(DotTilesModel, , , VnniModel, Bf16Model, true)
-#undef MOETUNE_DOT_TILES
+  }
+#define MOETUNE_STORE_I(p, v) _mm512_store_si512((void*)(p), v)
+#define MOETUNE_STORE_F(p, v) _mm512_store_ps((float*)(p), v)
+MOETUNE_DOT_BLOCK(dot_block_int8_hw, MOETUNE_TARGET_VNNI, __m512i, _mm512_setzero_si512(), VnniHw::dpbusd, MOETUNE_STORE_I)
+MOETUNE_DOT_BLOCK(dot_block_int8_model, , __m512i, _mm512_setzero_si512(), VnniModel::dpbusd, MOETUNE_STORE_I)
+MOETUNE_DOT_BLOCK(dot_block_bf16_hw, MOETUNE_TARGET_BF16, __m512, _mm512_setzero_ps(), Bf16Hw::dpbf16, MOETUNE_STORE_F)
+MOETUNE_DOT_BLOCK(dot_block_bf16_model, , __m512, _mm512_setzero_ps(), Bf16Model::dpbf16, MOETUNE_STORE_F)
+#undef MOETUNE_DOT_BLOCK
+#undef MOETUNE_STORE_I
+#undef MOETUNE_STORE_F
 
 // Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
 // B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
@@ -234,15 +228,37 @@ void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes,
     }
 }
 
-// comp: nullptr, or INT8 on unsigned A (A + 128): the per-row Σ_k W[n, k], 128 of which come off each sum
+// Rows [m0, m0 + rows) × columns [n0, n0 + 32) of the result, from c (element (i, h, j) — row i,
+// column n0 + 16h + j — at c[i·c_row + h·c_half + j]; INT8: int32 sums, BF16: float32 bits) into out
+// [M, N], 16 lanes at a time, masked at M and N. comp: nullptr, or INT8 on unsigned A (A + 128): the
+// per-column Σ_k W[n, k], 128 of which come off each sum (int32 wrap-around, exact when the true sum fits).
+template <bool Int8>
+inline void write_back(const int32_t* c, int64_t c_row, int64_t c_half, int64_t rows, int64_t m0, int64_t n0,
+                       int64_t M, int64_t N, const int32_t* comp, float* out) {
+  for (int64_t i = 0; i < rows && m0 + i < M; ++i)
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 16 * h;
+      if (n >= N) break;
+      const __mmask16 mk = tail_mask16(N - n);
+      const __m512i v = _mm512_loadu_si512((const void*)(c + i * c_row + h * c_half));
+      float* dst = out + (m0 + i) * N + n;
+      if constexpr (Int8) {
+        const __m512i w = comp ? _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, comp + n), 7) : _mm512_setzero_si512();
+        _mm512_mask_storeu_ps(dst, mk, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, w)));
+      } else {
+        _mm512_mask_storeu_ps(dst, mk, _mm512_castsi512_ps(v));
+      }
+    }
+}
+
+// Per parallel task one 32-column block of W, packed once (pack_b), then every row block of A.
+// AMX (or its model): 32 rows at a time, a 2 × 2 block of tiles.
 template <class T, bool Int8>
-void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView& W, int64_t data_bytes,
+void gemm_tiles(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes,
                 float* out, int64_t M, const int32_t* comp) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
 #pragma omp parallel
   {
-    const unsigned csr = _mm_getcsr();
-    if (T::kFlushDenormals) _mm_setcsr(csr | 0x8040u);
     std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
     uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
     alignas(64) int32_t c[4][16 * 16];
@@ -251,7 +267,7 @@ void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       pack_b(W, nb * 32, data_bytes, kbytes, b);
-      for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
         T::template zero<0>();
         T::template zero<1>();
         T::template zero<2>();
@@ -279,41 +295,38 @@ void gemm_tiles(const uint8_t* a, int64_t mpad, int64_t kbytes, const WeightView
         T::template store<1>(c[1], 64);
         T::template store<2>(c[2], 64);
         T::template store<3>(c[3], 64);
-        if (m0 + 32 <= M && nb * 32 + 32 <= N) {  // a whole 2 × 2 block: 16 lanes a row
-          const __m512i c128 = _mm512_set1_epi32(128);
-          for (int q = 0; q < 4; ++q)
-            for (int64_t i = 0; i < 16; ++i) {
-              const int64_t n = nb * 32 + 16 * (q % 2);
-              float* dst = out + (m0 + 16 * (q / 2) + i) * N + n;
-              const __m512i v = _mm512_load_si512((const void*)(c[q] + i * 16));
-              if constexpr (Int8) {  // comp: the unsigned A's 128·Σ_k W[n, k] off each sum (mod 2^32, as below)
-                const __m512i w = comp ? _mm512_mullo_epi32(c128, _mm512_loadu_si512(comp + n)) : _mm512_setzero_si512();
-                _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, w)));
-              } else {
-                _mm512_storeu_si512(dst, v);
-              }
-            }
-          continue;
-        }
-        for (int q = 0; q < 4; ++q) {  // tile q: rows m0 + 16·(q / 2), columns nb·32 + 16·(q % 2)
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t m = m0 + 16 * (q / 2) + i;
-            if (m >= M) break;
-            for (int64_t j = 0; j < 16; ++j) {
-              const int64_t n = nb * 32 + 16 * (q % 2) + j;
-              if (n >= N) break;
-              float v;
-              if constexpr (Int8) v = (float)(comp ? (int32_t)((uint32_t)c[q][i * 16 + j] - 128u * (uint32_t)comp[n])
-                                                   : c[q][i * 16 + j]);
-              else std::memcpy(&v, &c[q][i * 16 + j], 4);
-              out[m * N + n] = v;
-            }
-          }
-        }
+        // tile q holds rows m0 + 16·(q / 2) + i, columns nb·32 + 16·(q % 2) + j at c[q][16i + j]
+        write_back<Int8>(c[0], 16, 256, 16, m0, nb * 32, M, N, comp, out);
+        write_back<Int8>(c[2], 16, 256, 16, m0 + 16, nb * 32, M, N, comp, out);
       }
     }
     T::release();
-    if (T::kFlushDenormals) _mm_setcsr(csr);
+  }
+}
+
+// The dot-product engine (dot_block_*): 8 rows at a time; the models run under MXCSR.DAZ|FTZ.
+template <bool Int8>
+void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, float* out,
+              int64_t M, const int32_t* comp) {
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
+  void (*block)(const uint8_t*, int64_t, const uint8_t*, void*) =
+      Int8 ? (model ? dot_block_int8_model : dot_block_int8_hw) : (model ? dot_block_bf16_model : dot_block_bf16_hw);
+#pragma omp parallel
+  {
+    const unsigned csr = _mm_getcsr();
+    if (model) _mm_setcsr(csr | 0x8040u);
+    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
+    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    alignas(64) int32_t c[8 * 32];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        block(a + m0 * kbytes, kbytes, b, c);
+        write_back<Int8>(c, 32, 16, 8, m0, nb * 32, M, N, comp, out);
+      }
+    }
+    if (model) _mm_setcsr(csr);
   }
 }
 
@@ -343,7 +356,8 @@ bool amx_usable(int fmt, bool act_bf16) {
 
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
 // the integer sums, the caller applies the scales), on one tile engine: the AMX tiles or their
-// emulation, or the AVX-512 dot-product tiles (DotTilesHw / DotTilesModel; INT8 needs W.wsum).
+// emulation, or the AVX-512 dot-product engine (gemm_dot, on the instructions or their models; INT8
+// needs W.wsum).
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine) {
   TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "tile GEMM: BF16 or INT8 weights only");
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
@@ -381,20 +395,17 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   const int32_t* comp = dot && int8 ? W.wsum : nullptr;
   switch (engine) {
     case kTilesAmx:
-      int8 ? gemm_tiles<AmxHw, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<AmxHw, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_tiles<AmxHw, true>(a, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<AmxHw, false>(a, kbytes, W, data_bytes, o, M, comp);
       break;
     case kTilesAmxModel:
-      int8 ? gemm_tiles<AmxEmu, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<AmxEmu, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_tiles<AmxEmu, true>(a, kbytes, W, data_bytes, o, M, comp)
+           : gemm_tiles<AmxEmu, false>(a, kbytes, W, data_bytes, o, M, comp);
       break;
     case kTilesDot:
-      int8 ? gemm_tiles<DotTilesHw, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<DotTilesHw, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
-      break;
     case kTilesDotModel:
-      int8 ? gemm_tiles<DotTilesModel, true>(a, mpad, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<DotTilesModel, false>(a, mpad, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp)
+           : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp);
       break;
     default: TORCH_CHECK(false, "tile GEMM: unknown engine ", engine);
   }
