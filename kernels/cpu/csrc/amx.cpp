@@ -378,14 +378,19 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   uint8_t* a = abuf.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
+    const __m512i off = _mm512_set1_epi32(int8 && dot ? 128 : 0), one = _mm512_set1_epi32(1);
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
     for (int64_t m = s; m < e; ++m)
-      for (int64_t k = 0; k < K; ++k) {
-        const float v = xs[m * K + k];
-        if (int8) {
-          a[m * kbytes + k] = dot ? (uint8_t)((int)v + 128) : (uint8_t)(int8_t)v;
-        } else {
-          const uint16_t h = c10::BFloat16(v).x;
-          std::memcpy(a + m * kbytes + 2 * k, &h, 2);
+      for (int64_t k = 0; k < K; k += 16) {  // 16 lanes, masked at K
+        const __mmask16 mk = tail_mask16(K - k);
+        const __m512 v = _mm512_maskz_loadu_ps(mk, xs + m * K + k);
+        if (int8) {  // the quantized integers (exact in float32), + 128 for vpdpbusd's unsigned side
+          _mm512_mask_cvtepi32_storeu_epi8(a + m * kbytes + k, mk, _mm512_add_epi32(_mm512_cvtps_epi32(v), off));
+        } else {  // bfloat16, round to nearest even; NaN → 0x7FC0 (c10::BFloat16's conversion)
+          const __m512i u = _mm512_castps_si512(v);
+          __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+          h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+          _mm512_mask_cvtepi32_storeu_epi16(a + m * kbytes + 2 * k, mk, h);
         }
       }
   });
