@@ -158,7 +158,8 @@ def ensure_ik_llama(progress: bool = True) -> dict:
     if not (src / "vendor" / "ik_llama.cpp" / "CMakeLists.txt").is_file():
         shutil.rmtree(src, ignore_errors=True)
         with tarfile.open(tarball) as tar:
-            tar.extractall(root / "unpack", filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python ≥ 3.11.4
+            tar.extractall(root / "unpack", **safe)
         (root / "unpack" / f"ik_llama_cpp_python-{IK_VERSION}").rename(src)
         shutil.rmtree(root / "unpack")
     build = root / "build"
