@@ -232,6 +232,21 @@ def test_ik_llama_batch_api_and_long_prompts(tiny_mla):
         assert ik.greedy(long_prompt, 4) == whole
 
 
+def test_compare_default_set_leaves_out_what_ik_llama_cannot_run(tmp_path):
+    """`moetune compare` with the default baselines on plain `tiny` (its sizes abort the fork's
+    loader): a one-line note, then ours vs llama.cpp alone; the rows go to the store."""
+    _ik_llama_or_fail()
+    _llama_cpp_or_fail()
+    env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "res")}
+    p = subprocess.run([sys.executable, "-m", "moetune_cli", "compare", "--model", "tiny", "--precision", "fp32",
+                        "--workloads", "io:8/3", "--repeats", "1"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "note: ik_llama.cpp cannot run" in p.stderr and "K 40, V 32, RoPE 8" in p.stderr
+    header = next(line for line in p.stdout.splitlines() if line.startswith("| workload"))
+    assert "llama.cpp: median" in header and "ik_llama.cpp" not in header
+
+
 def test_ik_llama_missing_build_is_one_error(tmp_path, monkeypatch):
     """No build (or one made with other flags): `moetune compare --baselines ik` says so in one line
     before exporting or loading anything; the default set leaves ik_llama.cpp out."""
