@@ -39,7 +39,9 @@ CMAKE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NA
 WORKER = Path(__file__).resolve().parent / "ikllama_worker.py"
 # Its best configuration for DeepSeek-class models on a CPU (the fork's docs/parameters.md): MLA mode
 # 3 (MLA with the K cache, "the best of both worlds"), flash attention (its FlashMLA CPU kernels),
-# fused MoE up/gate, and run-time repacking of the weights into its row-interleaved layouts (-rtr).
+# fused MoE up/gate (these three are its defaults), and run-time repacking of the weights into its
+# row-interleaved layouts (-rtr, off by default: "may improve performance"; it did for prefill in the
+# issue's llama-bench runs, Q8_0 and BF16 on a Zen 4; on a CPU without AVX512-BF16 it repacks Q8_0 only).
 BEST = {"mla": 3, "flash_attn": True, "fused_moe": True, "rtr": True}
 
 
