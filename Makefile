@@ -2,8 +2,9 @@
 #   make run    tune this machine for the built-in default model (≈10 min), write its profile and
 #               report (creates .venv on first use); `make generate` generates text with it
 #   make test   run the test suite (creates .venv on first use; builds the baselines the tests run
-#               against: llama.cpp through llama-cpp-python, ≈5-15 min once, and kt-kernel's own
-#               virtualenv; installs PostgreSQL and Chromium from Debian's packages)
+#               against: llama.cpp through llama-cpp-python, ≈5-15 min once, ik_llama.cpp from its
+#               sources into the moetune cache, ≈5-15 min once, and kt-kernel's own virtualenv;
+#               installs PostgreSQL and Chromium from Debian's packages)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -25,9 +26,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The peers the tests compare against, built once per venv (pip caches llama-cpp-python's wheel;
-# GGML_NATIVE: llama.cpp at its best on this machine, as a user would build it).
+# GGML_NATIVE: llama.cpp at its best on this machine, as a user would build it). ik_llama.cpp's
+# native build is kept, stamped, in a versioned folder of ~/.cache/moetune: made once per machine.
 $(BASE): $(STAMP)
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/python -m pip install -q -e '.[test,baselines]'
+	$(BIN)/python -m suites.baselines.ikllama --setup
 	$(BIN)/python -m suites.baselines.ktkernel --setup
 	touch $(BASE)
 

@@ -2,7 +2,8 @@
 
 Per run (latest first): bars of each time metric (TTFT, TPOT, MoE layer) per workload and engine,
 median with p10–p90 error bars, and a ratio table in llama-bench's compare style (baseline /
-ours: > 1 means moetune is faster), with the settings each engine ran with.
+ours: > 1 means moetune is faster; one column per baseline: llama.cpp, ik_llama.cpp, kt-kernel …),
+with the settings each engine ran with.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from results.labels import metric_axis, metric_title, number, workload_label
 
 TIME_METRICS = ("ttft_s", "tpot_s", "moe_s")
 FIGURE_ID = "compare"
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")  # one per engine
 
 
 def compare_figure(rows):
@@ -27,7 +29,7 @@ def compare_figure(rows):
     for j, metric in enumerate(metrics, start=1):
         sel = rows[rows["metric"] == metric]
         for engine, part in sel.groupby("engine", sort=False):
-            colour = colours.setdefault(engine, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"][len(colours) % 4])
+            colour = colours.setdefault(engine, PALETTE[len(colours) % len(PALETTE)])
             fig.add_bar(name=engine, x=part["label"], y=part["median"] * 1e3, marker_color=colour,
                         legendgroup=engine, showlegend=j == 1, row=1, col=j,
                         error_y=dict(type="data", symmetric=False, array=(part["p90"] - part["median"]) * 1e3,
@@ -38,11 +40,13 @@ def compare_figure(rows):
 
 
 def ratio_table(rows, engines: tuple[str, ...] | None = None) -> str:
-    """HTML: workload | metric | moetune | baseline | baseline value | ratio (only `engines`' rows
-    when given). Times in milliseconds, rates in tokens/s."""
-    out = ["<table><tr><th>workload</th><th>metric</th><th>moetune median [p10–p90]</th><th>baseline</th>"
-           "<th>baseline median [p10–p90]</th><th>ratio</th></tr>"]
+    """HTML: workload | metric | moetune | one column per baseline (median [p10–p90], ratio to ours);
+    only `engines`' columns when given. Times in milliseconds, rates in tokens/s."""
     rows = rows.assign(engine=[json.loads(e).get("engine", "?") for e in rows["extra"]])
+    names = [n for n in dict.fromkeys(rows["engine"])
+             if n != "moetune" and (engines is None or n in engines)]
+    out = ["<table><tr><th>workload</th><th>metric</th><th>moetune median [p10–p90]</th>"
+           + "".join(f"<th>{html.escape(n)} median [p10–p90] (ratio)</th>" for n in names) + "</tr>"]
     for (wl, metric), grp in rows.groupby(["workload", "metric"], sort=False):
         ours = grp[grp["engine"] == "moetune"]
         if not len(ours):
@@ -53,13 +57,17 @@ def ratio_table(rows, engines: tuple[str, ...] | None = None) -> str:
         def fmt(r) -> str:
             return f"{number(r['median'] * scale)} [{number(r['p10'] * scale)}–{number(r['p90'] * scale)}] {shown}"
 
-        for _, t in grp[grp["engine"] != "moetune"].iterrows():
-            if engines is not None and t["engine"] not in engines:
+        cells = []
+        for n in names:
+            theirs = grp[grp["engine"] == n]
+            if not len(theirs):
+                cells.append("<td>–</td>")
                 continue
+            t = theirs.iloc[-1]
             ratio = t["median"] / o["median"] if o["direction"] == "minimize" else o["median"] / t["median"]
-            out.append(f"<tr><td>{html.escape(workload_label(wl))}</td><td>{html.escape(name)}</td>"
-                       f"<td>{fmt(o)}</td><td>{html.escape(t['engine'])}</td><td>{fmt(t)}</td>"
-                       f"<td><b>{ratio:.2f}×</b></td></tr>")
+            cells.append(f"<td>{fmt(t)} <b>{ratio:.2f}×</b></td>")
+        out.append(f"<tr><td>{html.escape(workload_label(wl))}</td><td>{html.escape(name)}</td>"
+                   f"<td>{fmt(o)}</td>{''.join(cells)}</tr>")
     out.append("</table>")
     return "".join(out)
 

@@ -276,7 +276,8 @@ def pareto_figure(rows, metrics):
 # ------------------------------------------------------------------ the first page
 
 # (engine in the rows, name on the page, `moetune compare --baselines` value)
-BASELINES = (("llama.cpp", "llama.cpp", "llama.cpp"), ("kt-kernel", "KTransformers (kt-kernel)", "ktransformers"))
+BASELINES = (("llama.cpp", "llama.cpp", "llama.cpp"), ("ik_llama.cpp", "ik_llama.cpp", "ik"),
+             ("kt-kernel", "KTransformers (kt-kernel)", "ktransformers"))
 
 
 def first_page(df, profiles: Path | None = None) -> list[str]:
@@ -427,7 +428,7 @@ def baselines_section(df) -> str:
 
     rows = df[df["suite"] == "compare"] if len(df) else df
     engines = [json.loads(e).get("engine", "?") if isinstance(e, str) else "?" for e in rows["extra"]]
-    out = ["<h2>Against llama.cpp and KTransformers</h2>"]
+    out = ["<h2>Against llama.cpp, ik_llama.cpp and KTransformers</h2>"]
     for engine, name, option in BASELINES:
         runs = rows["run_id"][[e == engine for e in engines]] if len(rows) else []
         if not len(runs):
@@ -561,6 +562,8 @@ def baseline_figures(base) -> list[tuple[str, object]]:
     engine and workload; the latest row of each (engine, workload, metric)."""
     from plotly.subplots import make_subplots
 
+    from dashboards.compare import PALETTE
+
     if not len(base):
         return []
     base = base.assign(engine=[json.loads(e).get("engine", "?") for e in base["extra"]],
@@ -578,7 +581,7 @@ def baseline_figures(base) -> list[tuple[str, object]]:
             sel = base[base["metric"] == metric]
             scale = metric_axis(metric, sel["unit"].iloc[0])[2]
             for engine, part in sel.groupby("engine", sort=False):
-                colour = colours.setdefault(engine, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"][len(colours) % 4])
+                colour = colours.setdefault(engine, PALETTE[len(colours) % len(PALETTE)])
                 fig.add_bar(name=engine, x=part["label"], y=part["median"] * scale, marker_color=colour,
                             legendgroup=engine, showlegend=engine not in {t.name for t in fig.data},
                             row=1, col=j, error_y=dict(type="data", symmetric=False,

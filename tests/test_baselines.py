@@ -21,6 +21,7 @@ from suites.baselines.gguf_export import export_gguf, group_keys, plan_tensors
 ROOT = Path(__file__).resolve().parents[1]
 KT_WORKER = ROOT / "suites" / "baselines" / "kt_worker.py"
 N_TOKENS = 32
+PROMPTS = [[0, 17, 250, 33, 101, 7, 480, 66], [0] + list(range(100, 140))]
 
 
 # ------------------------------------------------------------------ the export itself
@@ -31,6 +32,20 @@ def tiny_f32(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
     export_gguf("tiny", out, "f32", progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory) -> tuple[Path, Path]:
+    """`tiny` with DeepSeek's attention sizes (kv_lora_rank 512, RoPE 64: MLA K 576, V 512), the only
+    ones ik_llama.cpp's loader takes in llama.cpp's MLA layout: (checkpoint, its F32 GGUF)."""
+    from engine.weights.presets import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-mla")
+    (root / "tiny-mla").mkdir()
+    write_random_checkpoint({**PRESETS["tiny"], "kv_lora_rank": 512, "qk_rope_head_dim": 64}, root / "tiny-mla",
+                            seed=7, progress=False)
+    export_gguf(str(root / "tiny-mla"), root / "tiny-mla-f32.gguf", "f32", progress=False)
+    return root / "tiny-mla", root / "tiny-mla-f32.gguf"
 
 
 def test_gguf_metadata_and_mla_split(tiny_f32):
@@ -101,22 +116,32 @@ def _llama_cpp_or_fail():
 def test_llama_cpp_greedy_tokens_match_ours(tiny_f32):
     """f32 export of `tiny`: llama.cpp's first 32 greedy tokens are ours (float32 both sides)."""
     _llama_cpp_or_fail()
-    from engine.llm import LLM, SamplingParams
     from suites.baselines.llamacpp import LlamaCpp
 
-    llm = LLM("tiny", dtype="float32", knobs={"kernel_backend": "reference"}, progress=False)
-    prompts = [[0, 17, 250, 33, 101, 7, 480, 66], [0] + list(range(100, 140))]
     with LlamaCpp(tiny_f32, threads=1, n_ctx=256) as ll:
-        assert ll.load["n_vocab"] == 512
-        for prompt in prompts:
-            ours = llm.generate(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0].token_ids
-            theirs = ll.greedy(prompt, N_TOKENS)
-            agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), N_TOKENS)
-            print(f"\nprompt of {len(prompt)}: {agree}/{N_TOKENS} greedy tokens agree")
-            assert agree == N_TOKENS, (ours, theirs)
-        r = ll.run_once(prompts[1], 6)  # timed by llama.cpp's own clock, the Python loop's figure beside it
-        assert r["decoded"] == 5 and 0 < r["ttft_s"] <= r["python"]["ttft_s"]
-        assert 0 < r["decode_s"] <= r["python"]["decode_s"]
+        _greedy_is_ours_and_timed(ll)
+
+
+def _greedy_is_ours_and_timed(engine, model: str = "tiny") -> list[list[int]]:
+    """A GGUF engine's first N_TOKENS greedy tokens on PROMPTS are ours (float32 both sides, our
+    reference kernels); its own clock (the time inside llama_decode) is ≤ ours around its Python
+    loop. Returns its tokens."""
+    from engine.llm import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", knobs={"kernel_backend": "reference"}, progress=False)
+    assert engine.load["n_vocab"] == 512
+    out = []
+    for prompt in PROMPTS:
+        ours = llm.generate(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0].token_ids
+        theirs = engine.greedy(prompt, N_TOKENS)
+        agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), N_TOKENS)
+        print(f"\nprompt of {len(prompt)}: {agree}/{N_TOKENS} greedy tokens of {engine.engine} agree")
+        assert agree == N_TOKENS, (ours, theirs)
+        out.append(theirs)
+    r = engine.run_once(PROMPTS[1], 6)
+    assert r["decoded"] == 5 and 0 < r["ttft_s"] <= r["python"]["ttft_s"]
+    assert 0 < r["decode_s"] <= r["python"]["decode_s"]
+    return out
 
 
 def test_llama_cpp_batch_api_decodes_each_sequence_as_alone(tiny_f32):
@@ -141,6 +166,108 @@ def test_llama_cpp_batch_api_decodes_each_sequence_as_alone(tiny_f32):
         assert timed["decoded"] == 33
     ours = run_batch(llm, prompts, 12)
     assert ours["decoded"] == 33 and ours["decode_s"] > 0
+
+
+# ------------------------------------------------------------------ ik_llama.cpp runs it
+
+
+def _ik_llama_or_fail():
+    """ik_llama.cpp is built by the set-up step (`make test`: python -m suites.baselines.ikllama
+    --setup), never inside a test; where it is missing the comparison tests fail with the reason."""
+    from suites.baselines.ikllama import require_ik_llama
+
+    try:
+        require_ik_llama()
+    except BaselineError as e:
+        pytest.fail(str(e))
+
+
+@pytest.mark.parametrize("settings", [{}, {"rtr": False, "fused_moe": False}], ids=["best", "no-rtr-no-fmoe"])
+def test_ik_llama_greedy_tokens_match_ours_and_llama_cpp(tiny_mla, settings):
+    """F32 export of `tiny` with DeepSeek's attention sizes: ik_llama.cpp's first 32 greedy tokens (its
+    best configuration: MLA 3, flash attention, fused MoE, run-time repack; and without repack /
+    fused MoE) are ours and mainline llama.cpp's, from the same GGUF; its settings go with its rows.
+    (It rebuilds kv_b from the F32 k_b / v_b in Q8_0 for its prefill path: the tokens still agree.)"""
+    _ik_llama_or_fail()
+    _llama_cpp_or_fail()
+    from suites.baselines.ikllama import BEST, IkLlamaCpp
+    from suites.baselines.llamacpp import LlamaCpp
+
+    model, gguf = tiny_mla
+    with IkLlamaCpp(gguf, threads=1, n_ctx=256, **settings) as ik, LlamaCpp(gguf, threads=1, n_ctx=256) as ll:
+        assert {k: ik.settings[k] for k in BEST} == {**BEST, **settings}
+        assert "AVX512" in ik.settings["system_info"] or "AVX2" in ik.settings["system_info"]
+        assert _greedy_is_ours_and_timed(ik, str(model)) == [ll.greedy(p, N_TOKENS) for p in PROMPTS]
+
+
+def test_ik_llama_refuses_what_its_loader_aborts_on(tiny_f32, tiny_mla):
+    """Plain `tiny` (MLA K 40, V 32, RoPE 8) would abort the fork's loader: one clear error instead,
+    before any worker starts; DeepSeek's sizes pass."""
+    from suites.baselines.ikllama import ik_refusal
+
+    assert "K 40, V 32, RoPE 8" in ik_refusal(tiny_f32) and ik_refusal(tiny_mla[1]) is None
+
+
+def test_ik_llama_batch_api_and_long_prompts(tiny_mla):
+    """Its batch driver: each sequence's greedy tokens equal its single-sequence ones and ours; a
+    prompt longer than a batch goes in batch-sized pieces and gives the same tokens."""
+    _ik_llama_or_fail()
+    from engine.llm import LLM, SamplingParams
+    from suites.baselines.ikllama import IkLlamaCpp
+
+    model, gguf = tiny_mla
+    prompts = [[0, 17, 250, 33, 101, 7, 480, 66], [0] + list(range(100, 140)), [0, 5, 9]]
+    llm = LLM(str(model), dtype="float32", knobs={"kernel_backend": "reference"}, progress=False)
+    with IkLlamaCpp(gguf, threads=1, n_ctx=256) as ik:
+        r = ik.worker.call("time_batch", prompts=prompts, n_decode=11)
+        assert r["decoded"] == 33 and 0 < r["ttft_s"] <= r["python"]["ttft_s"]
+        assert 0 < r["decode_s"] <= r["python"]["decode_s"]
+        for prompt, tokens in zip(prompts, r["tokens"]):
+            assert tokens == ik.greedy(prompt, 12)
+            assert tokens == llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+        assert ik.run_batch(prompts, 12)["decoded"] == 33
+        long_prompt = [0] + [(7 * i) % 500 + 2 for i in range(80)]
+        whole = ik.greedy(long_prompt, 4)
+    with IkLlamaCpp(gguf, threads=1, n_ctx=256, n_batch=32) as ik:  # 81 tokens: 3 llama_decode calls
+        assert ik.greedy(long_prompt, 4) == whole
+
+
+def test_compare_default_set_leaves_out_what_ik_llama_cannot_run(tmp_path):
+    """`moetune compare` with the default baselines on plain `tiny` (its sizes abort the fork's
+    loader): a one-line note, then ours vs llama.cpp alone; the rows go to the store."""
+    _ik_llama_or_fail()
+    _llama_cpp_or_fail()
+    env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "res")}
+    p = subprocess.run([sys.executable, "-m", "moetune_cli", "compare", "--model", "tiny", "--precision", "fp32",
+                        "--workloads", "io:8/3", "--repeats", "1"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "note: ik_llama.cpp cannot run" in p.stderr and "K 40, V 32, RoPE 8" in p.stderr
+    header = next(line for line in p.stdout.splitlines() if line.startswith("| workload"))
+    assert "llama.cpp: median" in header and "ik_llama.cpp" not in header
+
+
+def test_ik_llama_missing_build_is_one_error(tmp_path, monkeypatch):
+    """No build (or one made with other flags): `moetune compare --baselines ik` says so in one line
+    before exporting or loading anything; the default set leaves ik_llama.cpp out."""
+    from suites.baselines import ikllama
+    from suites.baselines.compare import parse_baselines
+
+    monkeypatch.setenv("MOETUNE_IK_DIR", str(tmp_path / "ik"))
+    assert not ikllama.have_ik_llama() and parse_baselines(None) == ["llama.cpp"]
+    assert parse_baselines("ik,llama.cpp") == ["ik_llama.cpp", "llama.cpp"]
+    lib = tmp_path / "ik" / "ik_llama_cpp" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libllama.so").write_bytes(b"")
+    (tmp_path / "ik" / ".complete").write_text(json.dumps({"version": ikllama.IK_VERSION,
+                                                            "cmake_args": ["-DGGML_NATIVE=OFF"]}))
+    assert ikllama.build_record() is None  # built with other flags: not this build
+    env = {**os.environ, "MOETUNE_IK_DIR": str(tmp_path / "ik")}
+    p = subprocess.run([sys.executable, "-m", "moetune_cli", "compare", "--model", "tiny", "--baselines", "ik",
+                        "--repeats", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ik_llama.cpp baseline is not built" in lines[0] and "--setup" in lines[0], p.stderr
 
 
 # ------------------------------------------------------------------ the worker protocol
@@ -230,10 +357,16 @@ def test_compare_workloads_table_and_page(tmp_path):
         parse_baselines("vllm")
     w = {"kind": "io", "prompt": 8, "decode": 4}
     rows = (rows_for("moetune", {"ttft_s": ([0.1, 0.2, 0.1], "s", "minimize")}, w, "tiny", "bf16", {"threads": 1})
-            + rows_for("llama.cpp", {"ttft_s": ([0.3, 0.3, 0.4], "s", "minimize")}, w, "tiny", "bf16", {"threads": 1}))
-    text = table(rows)
-    assert "| io 8/4 | ttft_s (ms) | 100 [100–200] | llama.cpp | 300 [300–400] | 3.00× |" in text
+            + rows_for("llama.cpp", {"ttft_s": ([0.3, 0.3, 0.4], "s", "minimize")}, w, "tiny", "bf16", {"threads": 1})
+            + rows_for("ik_llama.cpp", {"ttft_s": ([0.05, 0.05, 0.06], "s", "minimize")}, w, "tiny", "bf16",
+                       {"threads": 1, "mla": 3}))
+    text = table(rows)  # a column per baseline, each with its ratio to ours
+    assert "| moetune: median [min–max] | llama.cpp: median [min–max] (ratio) | ik_llama.cpp: " in text
+    assert "| io 8/4 | ttft_s (ms) | 100 [100–200] | 300 [300–400] (3.00×) | 50 [50–60] (0.50×) |" in text
     append_rows(rows, "compare", directory=tmp_path / "res")
     out = build_report(tmp_path / "rep", tmp_path / "res")
     page = (out / "compare.html").read_text()
-    assert 'id="compare"' in page and "3.00×" in page and "compare.html" in (out / "index.html").read_text()
+    assert 'id="compare"' in page and "3.00×" in page and "0.50×" in page
+    assert "<th>ik_llama.cpp median [p10–p90] (ratio)</th>" in page
+    index = (out / "index.html").read_text()
+    assert "compare.html" in index and "<h3>ik_llama.cpp</h3>" in index

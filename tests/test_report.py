@@ -111,9 +111,11 @@ def test_first_page(tmp_path):
     gain_row = next(r for r in gains.split("<tr>") if STUDY in r)
     assert "trial 9 (in the profile)" in gain_row and "io 128/32" in gain_row
     assert "100 [100–108] ms" in gain_row and "+11.1% [+11.1%, +14.9%]" in gain_row
-    # the baselines: llama.cpp's ratios by workload; no KTransformers run yet
-    assert "<td>batch 4 × 128/16</td><td>time per output token</td><td>55 [51–59] ms</td><td>llama.cpp</td>" in text
+    # the baselines: llama.cpp's ratios by workload (its column); no ik_llama.cpp or KTransformers run yet
+    assert "<th>llama.cpp median [p10–p90] (ratio)</th>" in text
+    assert "<td>batch 4 × 128/16</td><td>time per output token</td><td>55 [51–59] ms</td><td>" in text
     assert "<b>2.00×</b>" in text
+    assert re.search(r"ik_llama.cpp</h3><p>No comparison run yet", text)
     assert re.search(r"KTransformers \(kt-kernel\)</h3><p>No comparison run yet", text)
     # no workload appears as a raw dict anywhere on the page, figures included
     for raw in ('"kind"', '\\"kind\\"', '"prompt_len"', '\\"prompt_len\\"', "{&quot;", "{'"):
@@ -127,7 +129,7 @@ def test_no_comparison_and_no_profile(tmp_path):
     _confirm(res)
     text = _text((build_report(tmp_path / "rep", res, tmp_path / "none") / "index.html").read_text())
     assert "No tuned profile for this machine" in text
-    assert text.count("No comparison run yet") == 2
+    assert text.count("No comparison run yet") == 3  # llama.cpp, ik_llama.cpp, KTransformers
     assert "trial 7 (best finalist, not kept)" in text  # without a profile: the fastest finalist
 
 

@@ -1,1 +1,1 @@
-"""Baselines run side by side with moetune: llama.cpp (GGUF export + driver) and kt-kernel."""
+"""Baselines run side by side with moetune: llama.cpp and ik_llama.cpp (GGUF export + drivers) and kt-kernel."""

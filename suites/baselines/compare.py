@@ -1,19 +1,22 @@
 """`moetune compare`: our engine and its baselines on the same model, machine and run, alternately.
 
-    moetune compare [--model small] [--baselines llama.cpp,ktransformers] [--workloads io:128/32,ttft:512]
+    moetune compare [--model small] [--baselines llama.cpp,ik_llama.cpp,ktransformers] [--workloads io:128/32,ttft:512]
                     [--precision bf16|int8|fp32] [--repeats 5] [--threads N]
 
 Workloads (the seeds' workloads, scaled to the machine by their lengths):
     io:P/D        one request, P prompt tokens, D generated: TTFT, TPOT, prefill and decode tokens/s
     ttft:P1,P2    prompt sweep, TTFT only (2 tokens generated)
     batch:B/P/D   B requests of P prompt tokens decoded together, D tokens each: aggregate decode
-                  tokens/s and time per decode step (ours: continuous batching; llama.cpp: its batch
-                  API, one llama_decode of B tokens per step, each request its own sequence id)
+                  tokens/s and time per decode step (ours: continuous batching; llama.cpp and
+                  ik_llama.cpp: the batch API, one llama_decode of B tokens per step, each request
+                  its own sequence id)
     moe:T1,T2     the fused MoE layer alone (--moe-shape, --moe-experts) vs kt-kernel, T tokens
 
-Each workload runs ours, theirs, ours, theirs … (one warm-up each first, then --repeats pairs), the
-same fixed-seed prompt token ids for both (no tokenizer in the loop), greedy, EOS ignored. Ratios
-pair engine by engine (baseline time / our time: > 1 means we are faster). Every setting (threads,
+io/ttft/batch workloads run against llama.cpp and ik_llama.cpp (the same GGUF export; by default
+both, ik_llama.cpp where its build is present: suites/baselines/ikllama.py --setup), moe workloads
+against kt-kernel. Each workload runs ours, theirs, … in turn (one warm-up each first, then --repeats
+rounds), the same fixed-seed prompt token ids for all (no tokenizer in the loop), greedy, EOS ignored.
+Ratios pair engine by engine (baseline time / our time: > 1 means we are faster). Every setting (threads,
 precision, GGUF type, build flags, versions, kernel back ends, machine fingerprint) goes with the
 rows to the result store (suite "compare"); `moetune report` draws them (compare.html).
 """
@@ -27,16 +30,22 @@ import sys
 from engine.errors import MoetuneError
 from results.labels import workload_label
 
-BASELINES = ("llama.cpp", "ktransformers")
-PY_LOOP = "llama.cpp (through Python)"  # the same runs timed around llama-cpp-python's per-token loop
+BASELINES = ("llama.cpp", "ik_llama.cpp", "ktransformers")
+GGUF_BASELINES = ("llama.cpp", "ik_llama.cpp")  # the whole model, from the GGUF export
+ALIASES = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "ik_llama.cpp": "ik_llama.cpp",
+           "ik-llama.cpp": "ik_llama.cpp", "ikllama": "ik_llama.cpp", "ik": "ik_llama.cpp",
+           "ktransformers": "ktransformers", "kt-kernel": "ktransformers", "kt": "ktransformers"}
 PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0")}
 DEFAULT_WORKLOADS = "io:128/32,ttft:512"
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("compare", help="our engine vs llama.cpp / kt-kernel, same model and machine, alternating runs")
+    c = sub.add_parser("compare", help="our engine vs llama.cpp / ik_llama.cpp / kt-kernel, same model and machine, "
+                                       "alternating runs")
     c.add_argument("--model", default="small", help="preset or checkpoint directory (default small)")
-    c.add_argument("--baselines", default="llama.cpp", help=f"comma list of {', '.join(BASELINES)}")
+    c.add_argument("--baselines", default=None,
+                   help=f"comma list of {', '.join(BASELINES)} (or ik); default: llama.cpp, and ik_llama.cpp "
+                        "where its build is present")
     c.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help="comma list: io:P/D, ttft:P[;P...], moe:T[;T...] (default %(default)s)")
     c.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS),
@@ -79,14 +88,22 @@ def parse_workloads(text: str) -> list[dict]:
     return out
 
 
-def parse_baselines(text: str) -> list[str]:
+def parse_baselines(text: str | None) -> list[str]:
+    """The --baselines list, canonical names; None: llama.cpp, and ik_llama.cpp if it is built."""
+    if text is None:
+        from suites.baselines.ikllama import have_ik_llama
+
+        return ["llama.cpp"] + (["ik_llama.cpp"] if have_ik_llama() else [])
     names = [b.strip().lower() for b in text.split(",") if b.strip()]
-    alias = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "ktransformers": "ktransformers",
-             "kt-kernel": "ktransformers", "kt": "ktransformers"}
-    bad = [b for b in names if b not in alias]
+    bad = [b for b in names if b not in ALIASES]
     if bad or not names:
         raise MoetuneError(f"unknown baseline {bad[0] if bad else text!r} (choose from {', '.join(BASELINES)})")
-    return list(dict.fromkeys(alias[b] for b in names))
+    return list(dict.fromkeys(ALIASES[b] for b in names))
+
+
+def py_loop(engine: str) -> str:
+    """The row name of an engine's runs timed by our clock around its Python binding's per-token loop."""
+    return f"{engine} (through Python)"
 
 
 def our_model(model: str, precision: str) -> str:
@@ -133,51 +150,90 @@ def rows_for(engine: str, metrics: dict, workload: dict, model: str, fmt: str, s
             for m, (samples, unit, d) in metrics.items() if samples]
 
 
+def gguf_kinds(baselines: list[str]) -> list[type]:
+    """The driver classes of the GGUF baselines asked for; a missing build is one error here, before
+    any export or model load."""
+    from suites.baselines.ikllama import IkLlamaCpp, require_ik_llama
+    from suites.baselines.llamacpp import LlamaCpp, require_llama_cpp
+
+    kinds = {"llama.cpp": (require_llama_cpp, LlamaCpp), "ik_llama.cpp": (require_ik_llama, IkLlamaCpp)}
+    wanted = [kinds[b] for b in GGUF_BASELINES if b in baselines]
+    for require, _ in wanted:
+        require()
+    return [cls for _, cls in wanted]
+
+
+def load_all(kinds: list[type], gguf, threads: int, n_ctx: int) -> list:
+    """Each driver with the GGUF loaded in its worker (those already started are closed if one fails)."""
+    loaded = []
+    try:
+        for cls in kinds:
+            loaded.append(cls(gguf, threads, n_ctx=n_ctx))
+    except BaseException:
+        for e in loaded:
+            e.close()
+        raise
+    return loaded
+
+
 def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> list[dict]:
-    """io / ttft workloads: ours vs llama.cpp on the whole model."""
+    """io / ttft / batch workloads: ours vs llama.cpp and ik_llama.cpp on the whole model."""
     import torch
 
     from engine.llm import LLM
-    from suites.baselines.llamacpp import LlamaCpp, ensure_gguf, require_llama_cpp
+    from suites.baselines.llamacpp import ensure_gguf
     from suites.e2e import run_batch, run_once
 
-    if "llama.cpp" not in baselines:
+    kinds = gguf_kinds(baselines)
+    if not kinds:
         return []
-    require_llama_cpp()
     dtype, gtype = PRECISIONS[args.precision]
     longest = max(w["prompt"] + w["decode"] for w in workloads)
     if any(w["kind"] == "batch" and w["batch"] * w["prompt"] > 512 for w in workloads):
-        raise MoetuneError("batch workloads: B × P must be ≤ 512 (both engines prefill the B prompts in one step)")
+        raise MoetuneError("batch workloads: B × P must be ≤ 512 (every engine prefills the B prompts in one step)")
     gguf = ensure_gguf(our_model(args.model, args.precision), gtype)
+    if args.baselines is None:  # the default set: ik_llama.cpp where it can run the model, else a note
+        from suites.baselines.ikllama import IkLlamaCpp, ik_refusal
+
+        why = IkLlamaCpp in kinds and ik_refusal(gguf)
+        if why:
+            print(f"note: {why}; comparing without it", file=sys.stderr)
+            kinds.remove(IkLlamaCpp)
     llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads})
     ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,
                      "backend": llm.knobs["kernel_backend"], "torch": torch.__version__,
                      "weight_bytes": sum(getattr(w, "nbytes", 0) for w in llm.model.w.values())}
     rows = []
-    with LlamaCpp(gguf, threads, n_ctx=max(4096, longest + 64)) as ll:
-        theirs_settings = {**ll.settings, "gguf_type": gtype}
+    engines_loaded = load_all(kinds, gguf, threads, max(4096, longest + 64))
+    try:
+        settings = {"moetune": ours_settings}
+        for e in engines_loaded:
+            settings[e.engine] = settings[py_loop(e.engine)] = {**e.settings, "gguf_type": gtype}
         for w in workloads:
             g = torch.Generator().manual_seed(w["prompt"])
             if w["kind"] == "batch":  # B different prompts, decoded together by each engine
                 prompt = [torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
                           for _ in range(w["batch"])]
-                engines = {"moetune": lambda p, d: run_batch(llm, p, d), "llama.cpp": ll.run_batch}
+                engines = {"moetune": lambda p, d: run_batch(llm, p, d)} | {e.engine: e.run_batch for e in engines_loaded}
             else:
                 prompt = torch.randint(2, llm.config.vocab_size, (w["prompt"],), generator=g).tolist()
-                engines = {"moetune": lambda p, d: run_once(llm, p, d), "llama.cpp": ll.run_once}
+                engines = {"moetune": lambda p, d: run_once(llm, p, d)} | {e.engine: e.run_once for e in engines_loaded}
             runs = alternate(engines, prompt, w["decode"], args.repeats)
-            # llama.cpp by its own clock (llama_perf_context); the same runs by our clock around the
-            # Python binding's per-token loop are kept as a row of their own
-            runs[PY_LOOP] = [{**r, **r["python"]} for r in runs["llama.cpp"]]
-            for engine, settings in (("moetune", ours_settings), ("llama.cpp", theirs_settings),
-                                     (PY_LOOP, theirs_settings)):
-                m = io_metrics(runs[engine], w["prompt"] * w.get("batch", 1))
+            # each GGUF engine by its own clock (llama_perf_context / llama_get_timings); the same runs by
+            # our clock around its Python binding's per-token loop are kept as a row of their own
+            for e in engines_loaded:
+                runs[py_loop(e.engine)] = [{**r, **r["python"]} for r in runs[e.engine]]
+            for engine, engine_runs in runs.items():
+                m = io_metrics(engine_runs, w["prompt"] * w.get("batch", 1))
                 if w["kind"] == "ttft":
                     m = {k: v for k, v in m.items() if k in ("ttft_s", "prefill_tok_s")}
                 if w["kind"] == "batch":  # per decode step (B tokens), not per token
-                    m["tpot_s"] = ([r["decode_s"] / (r["decoded"] / w["batch"]) for r in runs[engine]], "s",
+                    m["tpot_s"] = ([r["decode_s"] / (r["decoded"] / w["batch"]) for r in engine_runs], "s",
                                    "minimize")
-                rows += rows_for(engine, m, w, args.model, args.precision, settings)
+                rows += rows_for(engine, m, w, args.model, args.precision, settings[engine])
+    finally:
+        for e in engines_loaded:
+            e.close()
     return rows
 
 
@@ -237,27 +293,33 @@ def _spread(samples: list[float], scale: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """llama-bench compare style: one line per workload × metric, ours vs each baseline, ratio."""
+    """llama-bench compare style: one line per workload × metric; ours, then one column per baseline
+    (median [min–max] and its ratio to ours)."""
     by: dict[tuple, dict[str, list[float]]] = {}
     units = {}
     for r in rows:
         key = (json.dumps(r["workload"], sort_keys=True), r["metric"])
         by.setdefault(key, {})[r["extra"]["engine"]] = r["samples"]
         units[r["metric"]] = (r["unit"], r["direction"])
-    lines = ["| workload | metric | moetune: median [min–max] | baseline | baseline: median [min–max] | ratio |",
-             "|---|---|---|---|---|---|"]
+    names = list(dict.fromkeys(n for engines in by.values() for n in engines if n != "moetune"))
+    lines = ["| workload | metric | moetune: median [min–max] | "
+             + " | ".join(f"{n}: median [min–max] (ratio)" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
     for (wl, metric), engines in by.items():
         unit, direction = units[metric]
         scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
-        label = workload_label(wl)
         ours = engines.get("moetune")
-        for name, theirs in engines.items():
-            if name == "moetune" or not ours:
+        if not ours:
+            continue
+        cells = []
+        for name in names:
+            theirs = engines.get(name)
+            if not theirs:
+                cells.append("–")
                 continue
             a, b = statistics.median(ours), statistics.median(theirs)
-            ratio = b / a if direction == "minimize" else a / b
-            lines.append(f"| {label} | {metric} ({shown}) | {_spread(ours, scale)} | {name} | "
-                         f"{_spread(theirs, scale)} | {ratio:.2f}× |")
+            cells.append(f"{_spread(theirs, scale)} ({b / a if direction == 'minimize' else a / b:.2f}×)")
+        lines.append(f"| {workload_label(wl)} | {metric} ({shown}) | {_spread(ours, scale)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -273,12 +335,13 @@ def run_compare(args) -> int:
     lm = [w for w in workloads if w["kind"] != "moe"]
     moe = [w for w in workloads if w["kind"] == "moe"]
     rows = []
-    if lm and "llama.cpp" in baselines:
+    if lm and any(b in GGUF_BASELINES for b in baselines):
         rows += run_lm(args, lm, threads, baselines)
     if moe and "ktransformers" in baselines:
         rows += run_moe(args, moe, threads)
     if not rows:
-        raise MoetuneError("nothing to compare: io/ttft workloads need llama.cpp, moe workloads need ktransformers")
+        raise MoetuneError("nothing to compare: io/ttft/batch workloads need llama.cpp or ik_llama.cpp, "
+                           "moe workloads need ktransformers")
     fp = fingerprint()
     for r in rows:
         r["extra"]["machine"] = {k: fp.get(k) for k in ("cpu_model", "hash", "hardware_key")}

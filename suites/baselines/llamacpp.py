@@ -56,40 +56,50 @@ def ensure_gguf(model: str, gtype: str) -> Path:
     return path
 
 
-class LlamaCpp(WorkerOwner):
-    """A loaded GGUF in a llama-cpp-python worker."""
+class GgufEngine(WorkerOwner):
+    """A GGUF loaded in a worker process speaking the llama.cpp workers' ops (info, load, greedy, time,
+    time_batch): llamacpp_worker.py here, ikllama_worker.py for the ik_llama.cpp fork."""
 
-    engine = "llama.cpp"
+    engine = "?"
 
-    def __init__(self, gguf: Path, threads: int, n_ctx: int = 4096, n_batch: int = 512):
-        require_llama_cpp()
-        self.worker = Worker([sys.executable, str(WORKER)], "llama.cpp")
+    def __init__(self, cmd: list[str], gguf: Path, load_args: dict, timeout_s: float = 600.0):
+        self.worker = Worker(cmd, self.engine, timeout_s=timeout_s)
         try:
             self.info = self.worker.call("info")
-            self.load = self.worker.call("load", path=str(gguf), threads=threads, n_ctx=n_ctx, n_batch=n_batch)
+            self.load = self.worker.call("load", path=str(gguf), **load_args)
         except BaselineError:
             self.worker.close()
             raise
-        self.settings = {"engine": "llama.cpp", "threads": threads, "n_ctx": n_ctx, "n_batch": n_batch,
-                         "gguf": gguf.name, "version": self.info["llama_cpp_python"],
-                         "system_info": self.info["system_info"], "build": BUILD_FLAGS,
-                         "model_bytes": self.load["model_bytes"],
-                         "rss_load_bytes": self.load["rss_after"] - self.load["rss_before"]}
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         return self.worker.call("greedy", prompt=list(prompt), n=n)["tokens"]
 
     def run_once(self, prompt: list[int], decode: int) -> dict:
         """Same fields as suites.e2e.run_once: ttft_s, decode_s, decoded (tokens after the first), by
-        llama.cpp's own clock; "python": ttft_s / decode_s through the Python binding's loop."""
+        the engine's own clock; "python": ttft_s / decode_s through the Python binding's loop."""
         r = self.worker.call("time", prompt=list(prompt), n_decode=max(decode - 1, 1))
         return {"ttft_s": r["ttft_s"], "decode_s": r["decode_s"], "decoded": r["decoded"], "python": r["python"]}
 
     def run_batch(self, prompts: list[list[int]], decode: int) -> dict:
-        """Same fields as suites.e2e.run_batch: B sequences decoded together (llama.cpp's batch API)."""
+        """Same fields as suites.e2e.run_batch: B sequences decoded together (the batch API)."""
         r = self.worker.call("time_batch", prompts=[list(p) for p in prompts], n_decode=max(decode - 1, 1))
         return {"ttft_s": r["ttft_s"], "decode_s": r["decode_s"], "decoded": r["decoded"], "python": r["python"]}
 
+
+class LlamaCpp(GgufEngine):
+    """A loaded GGUF in a llama-cpp-python worker."""
+
+    engine = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int = 4096, n_batch: int = 512):
+        require_llama_cpp()
+        super().__init__([sys.executable, str(WORKER)], gguf,
+                         {"threads": threads, "n_ctx": n_ctx, "n_batch": n_batch})
+        self.settings = {"engine": "llama.cpp", "threads": threads, "n_ctx": n_ctx, "n_batch": n_batch,
+                         "gguf": gguf.name, "version": self.info["llama_cpp_python"],
+                         "system_info": self.info["system_info"], "build": BUILD_FLAGS,
+                         "model_bytes": self.load["model_bytes"],
+                         "rss_load_bytes": self.load["rss_after"] - self.load["rss_before"]}
 
 
 def main(argv=None) -> int:

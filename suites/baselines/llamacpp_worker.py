@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jsonl import serve  # noqa: E402
+from llama_batch import check_prompt, check_prompts, decode_argmax, timed_decode  # noqa: E402
 
 _state: dict = {}
 
@@ -72,15 +73,8 @@ def _argmax_last(llm) -> int:
     return int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).argmax())
 
 
-def _check(prompt, n) -> None:
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-        raise ValueError("prompt must be a non-empty list of token ids")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError("the number of tokens must be an integer ≥ 1")
-
-
 def greedy(prompt: list, n: int) -> dict:
-    _check(prompt, n)
+    check_prompt(prompt, n)
     llm = _llm()
     llm.reset()
     llm.eval(prompt)
@@ -107,7 +101,7 @@ def _perf_seconds(ctx) -> float:
 
 
 def time_run(prompt: list, n_decode: int) -> dict:
-    _check(prompt, n_decode)
+    check_prompt(prompt, n_decode)
     llm = _llm()
     ctx = llm._ctx.ctx
     llm.reset()
@@ -147,47 +141,20 @@ def _batch_context(n_seq: int, n_ctx: int, n_batch: int):
 
 def time_batch(prompts: list, n_decode: int) -> dict:
     import llama_cpp
-    import numpy as np
 
-    if not isinstance(prompts, list) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    for p in prompts:
-        _check(p, n_decode)
+    check_prompts(prompts, n_decode)
     b, n_prompt = len(prompts), sum(len(p) for p in prompts)
     per_seq = -(-(max(len(p) for p in prompts) + n_decode + 16) // 256) * 256
     ctx = _batch_context(b, b * per_seq, max(512, n_prompt))
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
     n_vocab = _llm().n_vocab()
     batch = llama_cpp.llama_batch_init(max(n_prompt, b), 0, b)
-
-    def run(entries) -> list[int]:  # (token, position, sequence, wants logits) → argmax of each output
-        batch.n_tokens = len(entries)
-        for i, (tok, pos, seq, out) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
-            batch.seq_id[i][0] = seq
-        rc = llama_cpp.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
-                for i, e in enumerate(entries) if e[3]]
-
     try:
-        _perf_reset(ctx)
-        t0 = time.perf_counter()
-        toks = run([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
-        t1 = time.perf_counter()
-        native_ttft = _perf_seconds(ctx)
-        _perf_reset(ctx)
-        out = [toks]
-        for step in range(n_decode):
-            toks = run([(toks[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
-            out.append(toks)
-        t2 = time.perf_counter()
-        native_decode = _perf_seconds(ctx)
+        r = timed_decode(prompts, n_decode, lambda entries: decode_argmax(llama_cpp, ctx, batch, entries, n_vocab),
+                         lambda: _perf_reset(ctx), lambda: _perf_seconds(ctx), n_batch=max(512, n_prompt))
     finally:
         llama_cpp.llama_batch_free(batch)
-    return {"ttft_s": native_ttft, "decode_s": native_decode, "decoded": b * n_decode, "rss": _rss_bytes(),
-            "tokens": [list(seq) for seq in zip(*out)], "python": {"ttft_s": t1 - t0, "decode_s": t2 - t1}}
+    return {**r, "rss": _rss_bytes()}
 
 
 if __name__ == "__main__":
