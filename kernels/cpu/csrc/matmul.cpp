@@ -424,6 +424,13 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W.fmt, kn, W.act_bf16);
   if (gemm) W.no_micro_forms();
+  if (gemm && W.fmt == kBF16 && W.act_bf16 && bf16_gemm_onednn(kn, true)) {
+    // torch's bf16 linear on the caller's bf16 rows, its bf16 output returned as is: no float32 copy
+    // of the activations or of the [M, N] result (linear's output is in x's dtype)
+    note_used(kUsedOnednn);
+    const at::Tensor wt = at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
+    return at::linear(x.contiguous(), wt);
+  }
   PreparedAct p = prepare_act(x, W);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
