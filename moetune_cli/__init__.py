@@ -39,7 +39,7 @@ def _quantize(args) -> int:
     from engine.weights.presets import resolve_model
     from engine.weights.quantize import quantize_checkpoint
 
-    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to)
+    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to, group=args.group)
     print(f"wrote {args.to} checkpoint to {dst}")
     return 0
 
@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--force-profile", action="store_true", help="accept a profile tuned on another machine")
     g.set_defaults(func=_generate)
 
-    q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block or INT8-channel")
+    q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block, INT8-channel or group-INT4")
     q.add_argument("src", help="checkpoint directory or preset name")
     q.add_argument("dst", help="output directory (must not exist or be empty)")
-    q.add_argument("--to", required=True, choices=["fp8", "int8"])
+    q.add_argument("--to", required=True, choices=["fp8", "int8", "int4"])
+    q.add_argument("--group", type=int, default=128, help="int4: inputs per scale (32, 64 or 128)")
     q.set_defaults(func=_quantize)
 
     p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")
