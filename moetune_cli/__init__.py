@@ -2,7 +2,7 @@
 one line on stderr and exit 2, no traceback.
 
 It sits above every other package: it gathers the engine's commands (generate, quantize, presets,
-serve) and each layer's own (autotune, compare, bench, results, report), so that no import runs
+serve) and each layer's own (autotune, compare, bench, quality, results, report), so that no import runs
 from the engine up to the tuner, the suites or the dashboards.
 """
 from __future__ import annotations
@@ -125,12 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     from moetune_cli.explain import add_parser as add_explain
     from results.commands import add_parser as add_results
     from suites.kernels import add_parser as add_bench
+    from suites.quality import add_parser as add_quality
     from suites.baselines.compare import add_parser as add_compare
     from tuner.autotune import add_parser as add_autotune
 
     add_autotune(sub)
     add_compare(sub)
     add_bench(sub)
+    add_quality(sub)
     add_results(sub)
     add_report(sub)
     add_explain(sub)
