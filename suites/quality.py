@@ -18,8 +18,8 @@ with the BOS token (when the model has one, it replaces the window's first token
 teacher-forced prefill (`LLM.logits`), and only its second half is scored: the logits at positions
 ctx/2 … ctx-2 against the next tokens, so every scored token has at least ctx/2 tokens of context.
 
-Per scored token, with P the reference's softmax and Q the variant's (float32 logits, log-softmax,
-sums in float64):
+Per scored token, with P the reference's softmax and Q the variant's (the engine's float32 logits,
+log-softmax and sums in float64):
     KL(P‖Q) = Σ_v P_v (log P_v − log Q_v)   (nats)  → mean, median, p99, max over the tokens
     top-1 agreement: argmax Q = argmax P            → the fraction of tokens
     NLL = −log Q(next token)                        → perplexity exp(mean NLL), of every variant
@@ -34,7 +34,10 @@ oneDNN / vdpbf16ps round activations or outputs to bf16; avx512bf16 needs AVX512
 cpu_gemm_min_tokens (which rows take the microkernel or the BLAS path: another summation order),
 mla_absorb (the absorbed or the naive MLA form), batch_invariant (one row at a time and the
 absorbed form). graph_mode changes decode steps only, never a teacher-forced prefill; the tile and
-thread knobs change the order of float sums at most. On a GPU (--device cuda) FP8 weights always
+thread knobs change the order of float sums at most. Measured on `tiny` here (4 × 128 tokens, BF16
+weights; INT4 in brackets), KL mean against the defaults: graph_mode=eager 0 [0]; cpu_int4_method=int16
+0 [7e-8]; cpu_bf16_gemm=onednn 8e-8 [≈0]; cpu_gemm_min_tokens=4096 4e-9 [1e-6]; mla_absorb=always and
+batch_invariant=true 2e-7 [1e-6]; INT4 itself against BF16: 6e-5. On a GPU (--device cuda) FP8 weights always
 multiply FP8-quantized activations (DeepSeek-V3's math), which an fp8 row on the GPU includes.
 
 Rows (results.store, suite "quality", one run_id per invocation, the machine's fingerprint hash and
@@ -42,7 +45,7 @@ hardware key in every row as append_rows fills them): model, format, knobs (the 
 overrides), workload {text, ctx, windows, scored_tokens, dtype}, metric kl_mean / kl_median /
 kl_p99 / kl_max (nats, minimize), top1_agreement (fraction, maximize), ppl (minimize; the
 reference's own row has extra.role "reference"), extra {label, reference, role, ppl_reference,
-kl_mean_stderr, backend, device, cpu_model}. Memory: the reference's log-probabilities are kept,
+kl_mean_stderr, backend, device, cpu_model}. Memory: the reference's float32 logits are kept,
 scored tokens × vocabulary × 4 bytes (a knob variant also keeps its format's).
 """
 from __future__ import annotations
@@ -94,19 +97,19 @@ def corpus_tokens(tokenizer) -> list[int]:
 # ---------------------------------------------------------------- the measures
 
 
-def window_logprobs(llm, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax of the scored rows' float32 logits [S, vocab], the next tokens [S])."""
+def window_logits(llm, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the scored rows' float32 logits [S, vocab], the next tokens [S])."""
     rows = scored(len(window))
-    logits = llm.logits(window)[rows].float()
-    return torch.log_softmax(logits, dim=-1), torch.tensor(window[rows.start + 1:rows.stop + 1])
+    return llm.logits(window)[rows].float(), torch.tensor(window[rows.start + 1:rows.stop + 1])
 
 
-def compare(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per token: KL(ref‖lp), whether the argmaxes agree, the NLL of each (ref and lp are log-probs)."""
-    r, q = ref.double(), lp.double()
+def compare(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per token: KL(ref‖logits), whether the argmaxes agree, the NLL of each. The float32 logits'
+    log-softmax is taken in float64, so a KL is never below zero by more than float64 rounding."""
+    r, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
     kl = (r.exp() * (r - q)).sum(-1)
     idx = targets.unsqueeze(-1)
-    return {"kl": kl.numpy(), "agree": (ref.argmax(-1) == lp.argmax(-1)).numpy(),
+    return {"kl": kl.numpy(), "agree": (ref.argmax(-1) == logits.argmax(-1)).numpy(),
             "nll": -q.gather(-1, idx).squeeze(-1).numpy(), "nll_ref": -r.gather(-1, idx).squeeze(-1).numpy()}
 
 
@@ -197,17 +200,17 @@ class Run:
         return LLM(str(self.path(fmt)), dtype=self.dtype, knobs={**self.knobs, **knobs}, device=self.device,
                    progress=False)
 
-    def logprobs(self, llm, label: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def logits(self, llm, label: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         for w in self.windows:
             self.bar.set_postfix_str(label)
-            out.append(window_logprobs(llm, w))
+            out.append(window_logits(llm, w))
             self.bar.update(1)
         return out
 
     def score(self, llm, label: str, ref: list) -> tuple[dict, list]:
-        lps = self.logprobs(llm, label)
-        return summarize([compare(r, lp, t) for (r, _), (lp, t) in zip(ref, lps)]), lps
+        got = self.logits(llm, label)
+        return summarize([compare(r, q, t) for (r, _), (q, t) in zip(ref, got)]), got
 
 
 def evaluate(model: str, formats: list[str], knob_variants: list[dict], ctx: int = 512,
@@ -224,7 +227,7 @@ def evaluate(model: str, formats: list[str], knob_variants: list[dict], ctx: int
               disable=not progress) as run.bar:
         llm = run.load("bf16", {})
         backend = llm.knobs["kernel_backend"]
-        ref = run.logprobs(llm, "bf16 (reference)")
+        ref = run.logits(llm, "bf16 (reference)")
         del llm
         s = summarize([compare(r, r, t) for r, t in ref])
         results.append({"label": "bf16", "format": "bf16", "knobs": {}, "reference": None, "role": "reference",

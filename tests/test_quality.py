@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moetune_cli import main as cli
-from suites.quality import Run, compare, evaluate, scored, summarize, window_logprobs, windows
+from suites.quality import Run, compare, evaluate, scored, summarize, window_logits, windows
 
 CTX, CHUNKS = 64, 4  # 4 windows of 64 tokens: 124 scored tokens on the tiny preset
 
@@ -25,14 +25,14 @@ def test_windows_and_the_scored_half():
             out[torch.arange(len(ids) - 1), torch.tensor(ids[1:])] = 0.0
             return out
 
-    lp, targets = window_logprobs(Oracle(), [3, 1, 4, 1, 5, 9, 2, 6])
-    assert targets.tolist() == [9, 2, 6] and lp.shape == (3, 16)
-    assert (-lp.gather(-1, targets[:, None])).abs().max() < 1e-6
+    logits, targets = window_logits(Oracle(), [3, 1, 4, 1, 5, 9, 2, 6])
+    assert targets.tolist() == [9, 2, 6] and logits.shape == (3, 16)
+    assert summarize([compare(logits, logits, targets)])["ppl"] == pytest.approx(1.0)
 
 
 def test_measures_by_hand():
-    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log()
-    q = torch.tensor([[0.25, 0.75], [0.6, 0.4]]).log()
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log() + 3.0  # logits: any offset per row
+    q = torch.tensor([[0.25, 0.75], [0.6, 0.4]]).log() - 1.0
     c = compare(p, q, torch.tensor([1, 0]))
     kl0 = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
     kl1 = 0.9 * math.log(0.9 / 0.6) + 0.1 * math.log(0.1 / 0.4)
@@ -132,8 +132,8 @@ def test_int4_kl_is_at_least_int8s_where_it_must_be(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETUNE_RESULTS", str(tmp_path / "results"))
     model = str(int4_kills_every_layer(tmp_path / "tiny-int4-worst"))
     run = Run(model, CTX, CHUNKS, "bfloat16", {}, "cpu", progress=False)
-    ref = [window_logprobs(run.load("bf16", {}), w) for w in run.windows]
-    p = torch.cat([lp for lp, _ in ref]).double()
+    ref = [window_logits(run.load("bf16", {}), w) for w in run.windows]
+    p = torch.log_softmax(torch.cat([logits for logits, _ in ref]).double(), -1)
     tokens = torch.cat([torch.tensor(w[scored(CTX)]) for w in run.windows])
     lb = 0.0
     for t in tokens.unique():
