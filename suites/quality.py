@@ -36,7 +36,7 @@ mla_absorb (the absorbed or the naive MLA form), batch_invariant (one row at a t
 absorbed form). graph_mode changes decode steps only, never a teacher-forced prefill; the tile and
 thread knobs change the order of float sums at most. Measured on `tiny` here (4 × 128 tokens, BF16
 weights; INT4 in brackets), KL mean against the defaults: graph_mode=eager 0 [0]; cpu_int4_method=int16
-0 [7e-8]; cpu_bf16_gemm=onednn 8e-8 [≈0]; cpu_gemm_min_tokens=4096 4e-9 [1e-6]; mla_absorb=always and
+0 [6e-8]; cpu_bf16_gemm=onednn 6e-8 [≈0]; cpu_gemm_min_tokens=4096 2e-9 [1e-6]; mla_absorb=always and
 batch_invariant=true 2e-7 [1e-6]; INT4 itself against BF16: 6e-5. On a GPU (--device cuda) FP8 weights always
 multiply FP8-quantized activations (DeepSeek-V3's math), which an fp8 row on the GPU includes.
 
@@ -100,7 +100,7 @@ def corpus_tokens(tokenizer) -> list[int]:
 def window_logits(llm, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the scored rows' float32 logits [S, vocab], the next tokens [S])."""
     rows = scored(len(window))
-    return llm.logits(window)[rows].float(), torch.tensor(window[rows.start + 1:rows.stop + 1])
+    return llm.logits(window)[rows].float().cpu(), torch.tensor(window[rows.start + 1:rows.stop + 1])
 
 
 def compare(ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
