@@ -6,6 +6,8 @@
                              KTransformers; then tuned vs defaults, kernel rooflines, baselines
                              (one figure per unit), the study list
     DIR/compare.html         `moetune compare` runs: TTFT/TPOT/MoE bars with spreads, ratio tables
+    DIR/quality.html         `moetune quality` runs: KL divergence (mean, p99), top-1 agreement and
+                             perplexity of each format against BF16, and a table
     DIR/study-<n>.html       per study: tuning history + best so far, knob importances,
                              parallel coordinates, Pareto front (two objectives)
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dashboards.quality import FIGURE_IDS as QUALITY_FIGURE_IDS
 from results.labels import metric_axis, metric_title, number, workload_label
 
 _PAGE = """<!doctype html>
@@ -96,6 +99,12 @@ def build_report(out: Path | None = None, results: Path | None = None, profiles:
     if compare:  # `moetune compare` runs: their own page
         _write(out / "compare.html", "moetune vs baselines", compare)
         links.append('<li><a href="compare.html">moetune vs baselines (moetune compare)</a></li>')
+    from dashboards.quality import quality_parts
+
+    quality = quality_parts(df, _div)
+    if quality:  # `moetune quality` runs: their own page
+        _write(out / "quality.html", "Quantization quality against BF16", quality)
+        links.append('<li><a href="quality.html">quantization quality against BF16 (moetune quality)</a></li>')
     body = (first_page(df, profiles) + ["<h2>Figures</h2>"] + overview_figures(df)
             + [f"<h2>Studies</h2><ul>{''.join(links) or '<li>none yet</li>'}</ul>"])
     _write(out / "index.html", "moetune report", body)
@@ -594,4 +603,5 @@ def baseline_figures(base) -> list[tuple[str, object]]:
 
 
 FIGURE_IDS = {"index": ("tuned-vs-defaults", "roofline", "baselines-ms", "baselines-tokens-s"),
-              "study": ("history", "importance", "parallel"), "study2": ("pareto",)}
+              "study": ("history", "importance", "parallel"), "study2": ("pareto",),
+              "quality": QUALITY_FIGURE_IDS}

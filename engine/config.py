@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import MoetuneError
+from kernels.formats import INT4_GROUPS
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
@@ -33,10 +34,12 @@ class YarnConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """`quantization_config`: FP8 block (the official DeepSeek-V3 release) or channel INT8."""
+    """`quantization_config`: FP8 block (the official DeepSeek-V3 release), channel INT8, or
+    moetune's own group INT4 (`moetune quantize --to int4`)."""
 
-    method: str  # "fp8" (block) | "w8a8_int8" (channel)
+    method: str  # "fp8" (block) | "w8a8_int8" (channel) | "moetune_int4" (group, weight-only)
     weight_block_size: tuple[int, int] = (128, 128)
+    group_size: int = 128  # moetune_int4: inputs per scale
 
 
 @dataclass(frozen=True)
@@ -168,13 +171,17 @@ def _parse_quant(cfg: dict) -> QuantConfig | None:
     if not q:
         return None
     method = q.get("quant_method")
-    if method not in ("fp8", "w8a8_int8"):
+    if method not in ("fp8", "w8a8_int8", "moetune_int4"):
         raise MoetuneError(f"config.json: quantization method {method!r} is not supported "
-                           "(fp8 with 128x128 blocks, or w8a8_int8 per channel)")
+                           "(fp8 with 128x128 blocks, w8a8_int8 per channel, or moetune_int4 per group)")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise MoetuneError("config.json: only dynamic activation scaling is supported")
     block = tuple(q.get("weight_block_size") or (128, 128))
-    return QuantConfig(method=method, weight_block_size=(int(block[0]), int(block[1])))
+    group = q.get("group_size", 128)
+    if method == "moetune_int4" and (group not in INT4_GROUPS or q.get("symmetric", True) is not True):
+        raise MoetuneError(f"config.json: moetune_int4 needs symmetric groups of {INT4_GROUPS}, "
+                           f"got group_size {group!r}, symmetric {q.get('symmetric')!r}")
+    return QuantConfig(method=method, weight_block_size=(int(block[0]), int(block[1])), group_size=int(group))
 
 
 def _first_id(value) -> int | None:

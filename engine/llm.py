@@ -30,7 +30,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 def _format_name(cfg: ModelConfig, dtype: str) -> str:
     if cfg.quant is not None:
-        return "fp8" if cfg.quant.method == "fp8" else "int8"
+        return {"fp8": "fp8", "moetune_int4": "int4"}.get(cfg.quant.method, "int8")
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
 
 

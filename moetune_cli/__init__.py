@@ -2,7 +2,7 @@
 one line on stderr and exit 2, no traceback.
 
 It sits above every other package: it gathers the engine's commands (generate, quantize, presets,
-serve) and each layer's own (autotune, compare, bench, results, report), so that no import runs
+serve) and each layer's own (autotune, compare, bench, quality, results, report), so that no import runs
 from the engine up to the tuner, the suites or the dashboards.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _quantize(args) -> int:
     from engine.weights.presets import resolve_model
     from engine.weights.quantize import quantize_checkpoint
 
-    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to)
+    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to, group=args.group)
     print(f"wrote {args.to} checkpoint to {dst}")
     return 0
 
@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--force-profile", action="store_true", help="accept a profile tuned on another machine")
     g.set_defaults(func=_generate)
 
-    q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block or INT8-channel")
+    q = sub.add_parser("quantize", help="convert a BF16 checkpoint to FP8-block, INT8-channel or group-INT4")
     q.add_argument("src", help="checkpoint directory or preset name")
     q.add_argument("dst", help="output directory (must not exist or be empty)")
-    q.add_argument("--to", required=True, choices=["fp8", "int8"])
+    q.add_argument("--to", required=True, choices=["fp8", "int8", "int4"])
+    q.add_argument("--group", type=int, default=128, help="int4: inputs per scale (32, 64 or 128)")
     q.set_defaults(func=_quantize)
 
     p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")
@@ -124,12 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     from moetune_cli.explain import add_parser as add_explain
     from results.commands import add_parser as add_results
     from suites.kernels import add_parser as add_bench
+    from suites.quality import add_parser as add_quality
     from suites.baselines.compare import add_parser as add_compare
     from tuner.autotune import add_parser as add_autotune
 
     add_autotune(sub)
     add_compare(sub)
     add_bench(sub)
+    add_quality(sub)
     add_results(sub)
     add_report(sub)
     add_explain(sub)

@@ -19,6 +19,8 @@ _METRIC_NAMES = {
     "time_s": "kernel time", "kernel_seconds": "kernel time", "latency_s": "request latency",
     "itl_s": "inter-token latency", "prefill_tok_s": "prefill", "decode_tok_s": "decode",
     "throughput_tok_s": "throughput", "output_tok_s": "output throughput",
+    "kl_mean": "KL divergence, mean", "kl_median": "KL divergence, median", "kl_p99": "KL divergence, p99",
+    "kl_max": "KL divergence, max", "top1_agreement": "top-1 agreement", "ppl": "perplexity",
 }
 _RATE_UNITS = ("tok/s", "tokens/s")
 
@@ -99,6 +101,8 @@ def workload_label(workload) -> str:
         if w.get("latency_limit_s") is not None:
             text += f", ≤ {w['latency_limit_s']:g} s/token"
         return text
+    if "text" in w and "ctx" in w:  # the quality suite
+        return f"{w['text']}, {w['windows']} × {w['ctx']} tokens"
     if "input_len" in w:  # the serving suite
         text = f"serving {w['input_len']}/{w.get('output_len', '?')}"
         if "num_prompts" in w:

@@ -51,7 +51,7 @@ def tiny_dir(env) -> Path:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cli")
-    dirs = {name: root / name for name in ("fp8", "int8", "empty", "llama", "full")}
+    dirs = {name: root / name for name in ("fp8", "int8", "int4", "empty", "llama", "full")}
     for name in ("empty", "llama", "full"):
         dirs[name].mkdir()
     cfg = json.loads((tiny_dir / "config.json").read_text())
@@ -78,7 +78,7 @@ def runs(env, tiny_dir, work) -> dict[str, list[subprocess.CompletedProcess]]:
     quantize_then_generate = {
         fmt: [["quantize", tiny_dir, work[fmt], "--to", fmt],
               ["generate", "--model", work[fmt], "--prompt", "hello", "--max-tokens", 5]]
-        for fmt in ("fp8", "int8")}
+        for fmt in ("fp8", "int8", "int4")}
     return run_all(env, {
         **quantize_then_generate,  # the longest jobs first
         "generate": [["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", 5]],
@@ -112,7 +112,7 @@ def test_presets(runs, tiny_dir):
     assert "not generated" in lines["small"]
 
 
-@pytest.mark.parametrize("fmt, method", [("fp8", "fp8"), ("int8", "w8a8_int8")])
+@pytest.mark.parametrize("fmt, method", [("fp8", "fp8"), ("int8", "w8a8_int8"), ("int4", "moetune_int4")])
 def test_quantize_then_generate(runs, work, fmt, method):
     q, g = runs[fmt]
     assert_ok(q)

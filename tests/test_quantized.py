@@ -1,5 +1,5 @@
-"""FP8-block and INT8-channel checkpoints from `moetune quantize`, against transformers running the
-dequantized weights (the same numbers in float32).
+"""FP8-block, INT8-channel and group-INT4 checkpoints from `moetune quantize`, against transformers
+running the dequantized weights (the same numbers in float32).
 
 Tolerances (‖Δ‖/‖ref‖ of float32 logits, 40-token prompt):
 - FP8 block, weight-only: the engine dequantizes inside the op, so only summation order differs
@@ -8,6 +8,9 @@ Tolerances (‖Δ‖/‖ref‖ of float32 logits, 40-token prompt):
   w8a8 release does; each activation element carries up to 0.5/127 of its row's max in rounding
   error, which through the residual stream and the layers gives 3e-3–6.4e-3 on these tiny
   models (measured): 2e-2.
+- INT4 group (weight-only in the format): the cpu kernels' default cpu_int4_method=int8 quantizes
+  activations per token and group to int8 on the microkernel path (llama.cpp's Q4 x Q8), the same
+  size of rounding as INT8's: 2e-2.
 """
 import json
 
@@ -19,17 +22,20 @@ from safetensors.torch import save_file
 from engine import LLM
 from engine.weights.quantize import quantize_checkpoint
 from hf_oracle import build_hf_model, hf_logits, rel_err, save_checkpoint
-from kernels.formats import Fp8BlockWeight, Int8ChannelWeight
+from kernels.formats import Fp8BlockWeight, Int4GroupWeight, Int8ChannelWeight
 
 PROMPT = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-TOL = {"fp8": 1e-4, "int8": 2e-2}
+TOL = {"fp8": 1e-4, "int8": 2e-2, "int4": 2e-2}
+KIND = {"fp8": Fp8BlockWeight, "int8": Int8ChannelWeight, "int4": Int4GroupWeight}
 
 
-def dequantized_copy(src, dst):
-    """The quantized checkpoint with every weight dequantized to float32, in its original names."""
+def dequantized_copy(src, dst, k_of=None):
+    """The quantized checkpoint with every weight dequantized to float32, in its original names
+    (`k_of`: name → in features, for INT4, whose stored rows are padded to whole groups)."""
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     block = tuple(cfg["quantization_config"].get("weight_block_size", (128, 128)))
+    group = cfg["quantization_config"].get("group_size", 128)
     del cfg["quantization_config"]
     (dst / "config.json").write_text(json.dumps(cfg))
     out = {}
@@ -42,6 +48,9 @@ def dequantized_copy(src, dst):
                     t = Fp8BlockWeight(t, st.get_tensor(name + "_scale_inv"), block).dequantize()
                 elif t.dtype == torch.int8:
                     t = Int8ChannelWeight(t, st.get_tensor(name + "_scale").squeeze(-1)).dequantize()
+                elif t.dtype == torch.uint8:
+                    scale = st.get_tensor(name + "_scale")
+                    t = Int4GroupWeight(t, scale, torch.full_like(scale, 8.0), k_of[name], group).dequantize().contiguous()
                 elif name.endswith(("_scale_inv", "_scale")):
                     continue
                 out[name] = t
@@ -54,19 +63,28 @@ def source(request, tmp_path_factory):
     return save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp(request.param))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def in_features(path) -> dict[str, int]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            out.update({n: st.get_slice(n).get_shape()[-1] for n in st.keys()})
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source, fmt, tmp_path):
     from transformers import AutoModelForCausalLM
 
     q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False)
-    ref_model = AutoModelForCausalLM.from_pretrained(dequantized_copy(q, tmp_path / "deq"), dtype=torch.float32)
+    deq = dequantized_copy(q, tmp_path / "deq", in_features(source))
+    ref_model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
     ref = hf_logits(ref_model.eval(), PROMPT)
     llm = LLM(str(q), dtype="float32", progress=False)
     err = rel_err(llm.logits(PROMPT), ref)
     assert err < TOL[fmt], err
     # the ignored alternative would be a silent dequantize-at-load: the weights must stay quantized
     # (a backend may wrap them in its packed layout; `format` reads through to the stored format)
-    kind = Fp8BlockWeight if fmt == "fp8" else Int8ChannelWeight
+    kind = KIND[fmt]
     assert llm.model.w["layers.1.experts.w13"].format == kind.format
     assert (llm.model.w["layers.0.q_b_proj"] if "layers.0.q_b_proj" in llm.model.w
             else llm.model.w["layers.0.q_proj"]).format == kind.format
@@ -88,3 +106,35 @@ def test_quantized_layouts_follow_the_releases(source, tmp_path):
         assert b.get_tensor(name + "_scale").shape == (n, 1)
         for keep in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
             assert a.get_tensor(keep).dtype == torch.float32 and b.get_tensor(keep).dtype == torch.float32
+
+
+def test_int4_layout_and_groups(source, tmp_path):
+    """moetune's own INT4 layout: uint8 weight [N, Kp/2] (K padded to whole groups), float32 scale
+    [N, Kp/group]; a smaller group is closer to the source weights, and both load as Int4GroupWeight."""
+    errs = {}
+    for group in (32, 128):
+        q = quantize_checkpoint(source, tmp_path / f"int4-{group}", "int4", progress=False, group=group)
+        cfg = json.loads((q / "config.json").read_text())["quantization_config"]
+        assert cfg == {"quant_method": "moetune_int4", "group_size": group, "symmetric": True}
+        for name in ("model.layers.1.mlp.experts.0.down_proj.weight",  # K = the expert width
+                     "model.layers.1.mlp.experts.0.gate_proj.weight"):  # K = hidden
+            with safe_open(next(q.glob("*.safetensors")), "pt") as st, \
+                    safe_open(next(source.glob("*.safetensors")), "pt") as orig:
+                w, scale, ref = st.get_tensor(name), st.get_tensor(name + "_scale"), orig.get_tensor(name)
+            n, k = ref.shape
+            kp = -(-k // group) * group
+            assert w.dtype == torch.uint8 and w.shape == (n, kp // 2) and scale.shape == (n, kp // group)
+            deq = Int4GroupWeight(w, scale, torch.full_like(scale, 8.0), k, group).dequantize()
+            errs[group, name] = ((deq - ref.float()).norm() / ref.float().norm()).item()
+            assert errs[group, name] < 0.2
+        llm = LLM(str(q), dtype="float32", progress=False)
+        assert llm.model.w["layers.1.experts.w2"].format == "int4_group"
+        assert llm.model_key.endswith("-int4")
+    assert errs[32, name] < errs[128, name]  # hidden > 32: more scales per row
+
+
+def test_bad_int4_group_is_one_clear_error(source, tmp_path):
+    from engine.errors import MoetuneError
+
+    with pytest.raises(MoetuneError, match="--group must be one of 32, 64, 128"):
+        quantize_checkpoint(source, tmp_path / "x", "int4", progress=False, group=48)

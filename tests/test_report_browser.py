@@ -10,7 +10,8 @@ from tuner_toys import ToyObjective, ToyPareto, toy_space
 
 @pytest.fixture
 def report(tmp_path, monkeypatch):
-    """Results of every kind (two studies, confirmation, kernels + probe, a comparison) and their report."""
+    """Results of every kind (two studies, confirmation, kernels + probe, a comparison, a quality run)
+    and their report."""
     monkeypatch.setenv("MOETUNE_RESULTS", str(tmp_path / "results"))
     Tuner(toy_space(), ToyObjective(), TuneConfig(trials=10, repeats=2, warmup=0, seed=1), ":memory:", "single").run()
     Tuner(toy_space(), ToyPareto(), TuneConfig(trials=10, repeats=1, warmup=0, seed=1), ":memory:", "two").run()
@@ -22,6 +23,14 @@ def report(tmp_path, monkeypatch):
     append_rows([{"metric": m, "unit": u, "samples": [0.5, 0.6], "extra": {"engine": e},
                   "workload": {"kind": "io", "prompt": 8, "decode": 4}}
                  for e in ("moetune", "llama.cpp") for m, u in (("tpot_s", "s"), ("decode_tok_s", "tok/s"))], "compare")
+    quality = {"text": "corpus.txt", "ctx": 64, "windows": 2, "scored_tokens": 62, "dtype": "bfloat16"}
+    append_rows([{"metric": m, "unit": u, "samples": [v], "format": f, "model": "tiny", "workload": quality,
+                  "extra": {"label": f, "reference": None if f == "bf16" else "bf16",
+                            "role": "reference" if f == "bf16" else "format", "backend": "cpu", "device": "cpu"}}
+                 for f, kl in (("bf16", None), ("int8", 1e-4), ("int4", 2e-3))
+                 for m, u, v in (("kl_mean", "nats", kl), ("kl_p99", "nats", kl and 5 * kl),
+                                 ("top1_agreement", "fraction", kl and 1 - 10 * kl), ("ppl", "", 500.0))
+                 if v is not None], "quality")
     return build_report(tmp_path / "report", profiles=tmp_path / "profiles")
 
 
@@ -30,7 +39,8 @@ def test_every_figure_renders_without_js_errors(report):
 
     pages = {"index.html": FIGURE_IDS["index"],
              "study-single.html": FIGURE_IDS["study"],
-             "study-two.html": FIGURE_IDS["study"] + FIGURE_IDS["study2"]}
+             "study-two.html": FIGURE_IDS["study"] + FIGURE_IDS["study2"],
+             "quality.html": FIGURE_IDS["quality"]}
     assert (report / "plotly.min.js").stat().st_size > 1_000_000  # offline: plotly.js beside the pages
     driver = chromium_driver()
     try:

@@ -3,7 +3,8 @@ shards one by one through mmap, each tensor copied once into its preallocated en
 
 Formats are recognised per linear from the stored dtypes: float8_e4m3fn + `weight_scale_inv`
 (FP8 128×128 block, the official DeepSeek-V3 release), int8 + `weight_scale` (channel INT8),
-otherwise high precision. Quantized weights stay quantized in memory.
+uint8 + `weight_scale` per group (moetune's group INT4, `moetune quantize --to int4`), otherwise
+high precision. Quantized weights stay quantized in memory.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from tqdm import tqdm
 from engine.config import ModelConfig
 from engine.errors import MoetuneError
 from engine.weights.layout import LinearSpec, TensorSpec, checkpoint_layout, layer_of
-from kernels.formats import DenseWeight, Fp8BlockWeight, Int8ChannelWeight
+from kernels.formats import DenseWeight, Fp8BlockWeight, Int4GroupWeight, Int8ChannelWeight
 
 log = logging.getLogger("moetune.weights")
 
 ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
+    "F32": torch.float32, "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
 }
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
@@ -81,10 +82,16 @@ def scan(files: list[Path]) -> dict[str, TensorInfo]:
 @dataclass
 class LinearPlan:
     spec: LinearSpec
-    fmt: str  # "dense" | "fp8" | "int8"
+    fmt: str  # "dense" | "fp8" | "int8" | "int4"
     part_rows: int  # rows reserved per part (≥ the part's rows; fp8 FFNs pad to the block)
     in_features: int  # columns reserved (≥ spec.in_features for a padded down projection)
     block: tuple[int, int]
+    group: int = 128  # int4: inputs per scale
+
+    @property
+    def packed_in(self) -> int:
+        """int4: the inputs rounded up to whole groups (two per stored byte)."""
+        return -(-self.in_features // self.group) * self.group
 
 
 def _info(infos: dict[str, TensorInfo], name: str) -> TensorInfo:
@@ -106,42 +113,50 @@ def _linear_format(spec: LinearSpec, infos: dict[str, TensorInfo]) -> str:
         return "fp8"
     if tag == "I8":
         return "int8"
+    if tag == "U8":
+        return "int4"
     if tag in FLOAT_DTYPES:
         return "dense"
     raise MoetuneError(f"dtype mismatch: {spec.sources[0][0]}.weight has dtype {tag}, "
-                       "expected a float, float8_e4m3fn or int8 weight")
+                       "expected a float, float8_e4m3fn, int8 or (packed int4) uint8 weight")
 
 
-def _check_linear(spec: LinearSpec, fmt: str, infos: dict[str, TensorInfo], block: tuple[int, int]) -> None:
-    scale_suffix = {"fp8": ".weight_scale_inv", "int8": ".weight_scale"}.get(fmt)
+def _check_linear(spec: LinearSpec, fmt: str, infos: dict[str, TensorInfo], block: tuple[int, int],
+                  group: int) -> None:
+    scale_suffix = {"fp8": ".weight_scale_inv", "int8": ".weight_scale", "int4": ".weight_scale"}.get(fmt)
+    packed_in = -(-spec.in_features // group) * group
     for row in spec.sources:
         for prefix, rows in zip(row, spec.parts):
             shape = _info(infos, prefix + ".weight").shape
-            if shape != (rows, spec.in_features):
+            want = (rows, packed_in // 2) if fmt == "int4" else (rows, spec.in_features)
+            if shape != want:
                 raise MoetuneError(f"tensor {prefix}.weight has shape {list(shape)}, "
-                                   f"config.json implies {[rows, spec.in_features]}")
+                                   f"config.json implies {list(want)}"
+                                   + (f" (int4: two values per byte, groups of {group})" if fmt == "int4" else ""))
             if scale_suffix is None:
                 continue
             scale = _info(infos, prefix + scale_suffix)
-            want = ((-(-rows // block[0]), -(-spec.in_features // block[1])) if fmt == "fp8" else (rows,))
-            if tuple(d for d in scale.shape if fmt == "fp8" or d != 1) != want or scale.dtype not in FLOAT_DTYPES:
+            want = ((-(-rows // block[0]), -(-spec.in_features // block[1])) if fmt == "fp8"
+                    else (rows, packed_in // group) if fmt == "int4" else (rows,))
+            if tuple(d for d in scale.shape if fmt != "int8" or d != 1) != want or scale.dtype not in FLOAT_DTYPES:
                 raise MoetuneError(f"tensor {prefix}{scale_suffix} has shape {list(scale.shape)} "
                                    f"({scale.dtype}), expected {list(want)} float")
 
 
 def plan_linears(cfg: ModelConfig, specs: list, infos: dict[str, TensorInfo]) -> dict[str, LinearPlan]:
     block = cfg.quant.weight_block_size if cfg.quant else (128, 128)
+    group = cfg.quant.group_size if cfg.quant else 128
     linears = [s for s in specs if isinstance(s, LinearSpec)]
     fmts = {s.key: _linear_format(s, infos) for s in linears}
     for s in linears:
-        _check_linear(s, fmts[s.key], infos, block)
+        _check_linear(s, fmts[s.key], infos, block, group)
     fp8_ffns = {s.ffn for s in linears if s.ffn and fmts[s.key] == "fp8"}
     plans = {}
     for s in linears:
         pad = block[0] if s.ffn in fp8_ffns else 1
         width = s.in_features if not s.padded_input else -(-s.in_features // pad) * pad
         rows = -(-s.parts[0] // pad) * pad if len(s.parts) > 1 else s.parts[0]
-        plans[s.key] = LinearPlan(s, fmts[s.key], rows, width, block)
+        plans[s.key] = LinearPlan(s, fmts[s.key], rows, width, block, group)
     return plans
 
 
@@ -169,6 +184,11 @@ def _allocate(p: LinearPlan, dtype: torch.dtype):
     if p.fmt == "int8":
         return Int8ChannelWeight(torch.zeros(*lead, rows, p.in_features, dtype=torch.int8),
                                  torch.ones(*lead, rows))
+    if p.fmt == "int4":  # symmetric: zero point 8 (0x88: both nibbles 8, a zero weight until filled)
+        groups = p.packed_in // p.group
+        return Int4GroupWeight(torch.full((*lead, rows, p.packed_in // 2), 0x88, dtype=torch.uint8),
+                               torch.ones(*lead, rows, groups), torch.full((*lead, rows, groups), 8.0),
+                               p.in_features, p.group)
     return DenseWeight(torch.zeros(*lead, rows, p.in_features, dtype=dtype))
 
 
@@ -189,8 +209,10 @@ def _place(weight, plan: LinearPlan, expert, part: int, component: str, t: torch
     w = weight if expert is None else weight[expert]
     row0 = part * plan.part_rows
     if component == "weight":
-        dst = w.w
+        dst = w.packed if plan.fmt == "int4" else w.w
         dst[row0:row0 + t.shape[0], : t.shape[1]] = t.to(dst.dtype)
+    elif plan.fmt == "int4":
+        w.scale[row0:row0 + t.shape[0]] = t.float()
     elif plan.fmt == "fp8":
         b0 = row0 // plan.block[0]
         w.scale_inv[b0:b0 + t.shape[0], : t.shape[1]] = t.float()

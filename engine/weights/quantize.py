@@ -1,10 +1,16 @@
-"""`moetune quantize SRC DST --to fp8|int8`: a high-precision checkpoint into the released layouts.
+"""`moetune quantize SRC DST --to fp8|int8|int4`: a high-precision checkpoint into the released
+layouts (fp8, int8) or moetune's own group-INT4 layout (int4).
 
 - fp8: every decoder projection as float8_e4m3fn `weight` + float32 `weight_scale_inv` per
   128×128 block, and `quantization_config` {quant_method: fp8, weight_block_size} in config.json —
   the official DeepSeek-V3 release.
 - int8: every decoder projection as int8 `weight` + float32 `weight_scale` [N, 1] per output
   channel (activations are quantized per token at run time) — the channel-INT8 R1 layout.
+- int4: every decoder projection as uint8 `weight` [N, Kp/2] (two symmetric 4-bit values per byte,
+  q + 8, in kernels.formats' nibble layout; Kp = K rounded up to the group) + float32
+  `weight_scale` [N, Kp/group] (amax / 7 per group), and `quantization_config` {quant_method:
+  moetune_int4, group_size, symmetric: true}. Weight-only; moetune's own layout (no released
+  checkpoint uses it), read by engine/weights/loader.py.
 Embeddings, the LM head, norms, the router and its bias stay as they are. Streams shard by shard.
 """
 from __future__ import annotations
@@ -22,41 +28,50 @@ from engine.config import ModelConfig
 from engine.errors import MoetuneError
 from engine.weights.layout import is_quantizable
 from engine.weights.loader import shard_files
-from kernels.formats import quantize_fp8_block, quantize_int8_channel
+from kernels.formats import INT4_GROUPS, quantize_fp8_block, quantize_int4_group, quantize_int8_channel
 
-FORMATS = ("fp8", "int8")
+FORMATS = ("fp8", "int8", "int4")
 FP8_BLOCK = (128, 128)
 
 
-def quantize_tensor(name: str, t: torch.Tensor, to: str) -> dict[str, torch.Tensor]:
+def quantize_tensor(name: str, t: torch.Tensor, to: str, group: int = 128) -> dict[str, torch.Tensor]:
     """The tensors that replace `name` in the output checkpoint."""
-    if not is_quantizable(name) or t.dtype in (torch.float8_e4m3fn, torch.int8):
+    if not is_quantizable(name) or t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
         return {name: t}
     if to == "fp8":
         q = quantize_fp8_block(t, FP8_BLOCK)
         return {name: q.w, name + "_scale_inv": q.scale_inv}
+    if to == "int4":
+        q4 = quantize_int4_group(t, group)
+        return {name: q4.packed, name + "_scale": q4.scale}
     q = quantize_int8_channel(t)
     return {name: q.w, name + "_scale": q.scale.unsqueeze(-1)}
 
 
-def _out_config(src: Path, to: str) -> dict:
+def _out_config(src: Path, to: str, group: int) -> dict:
     cfg = json.loads((src / "config.json").read_text())
     if cfg.get("quantization_config"):
         raise MoetuneError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
     if to == "fp8":
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": list(FP8_BLOCK)}
+    elif to == "int4":
+        cfg["quantization_config"] = {"quant_method": "moetune_int4", "group_size": group, "symmetric": True}
     else:
         cfg["quantization_config"] = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"}
     return cfg
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: bool = True) -> Path:
+def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: bool = True,
+                        group: int = 128) -> Path:
+    """`group`: inputs per scale, int4 only."""
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise MoetuneError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
+    if group not in INT4_GROUPS:
+        raise MoetuneError(f"--group must be one of {', '.join(map(str, INT4_GROUPS))}, got {group}")
     ModelConfig.from_file(src)  # a clear error for anything we could not load afterwards
-    cfg = _out_config(src, to)
+    cfg = _out_config(src, to, group)
     files = shard_files(src)
     if dst.exists() and any(dst.iterdir()):
         raise MoetuneError(f"destination {dst} exists and is not empty")
@@ -66,7 +81,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: boo
         out = {}
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                out.update(quantize_tensor(name, st.get_tensor(name), to))
+                out.update(quantize_tensor(name, st.get_tensor(name), to, group))
         save_file(out, dst / f.name, metadata={"format": "pt"})
         weight_map.update({k: f.name for k in out})
     total = sum((dst / f.name).stat().st_size for f in files)
@@ -77,4 +92,30 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: boo
         if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json") \
                 and extra.is_file() and not extra.name.startswith("."):
             shutil.copy2(extra, dst / extra.name)
+    return dst
+
+
+def cached_quantization(src: str | Path, to: str, progress: bool = True) -> Path:
+    """`src` quantized to `to` once, in the cache (<cache>/quantized/<name>-<hash of the source's
+    path>-<to>); written to a temporary folder renamed into place, so a killed run leaves nothing
+    that a later one would take for a finished checkpoint."""
+    import hashlib
+    import os
+
+    from engine.weights.presets import cache_root
+
+    src = Path(src).resolve()
+    tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
+    dst = cache_root() / "quantized" / f"{src.name}-{tag}-{to}"
+    if (dst / "config.json").is_file():
+        return dst
+    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        quantize_checkpoint(src, tmp, to, progress)
+        if not (dst / "config.json").is_file():  # another process may have finished first
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dst

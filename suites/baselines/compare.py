@@ -110,14 +110,10 @@ def our_model(model: str, precision: str) -> str:
     """The checkpoint ours runs: the model itself, or its INT8-channel quantization (cached)."""
     if precision != "int8":
         return model
-    from engine.weights.presets import cache_root, resolve_model
-    from engine.weights.quantize import quantize_checkpoint
+    from engine.weights.presets import resolve_model
+    from engine.weights.quantize import cached_quantization
 
-    src = resolve_model(model)
-    dst = cache_root() / "quantized" / f"{src.name}-int8"
-    if not (dst / "config.json").is_file():
-        quantize_checkpoint(src, dst, "int8")
-    return str(dst)
+    return str(cached_quantization(resolve_model(model), "int8"))
 
 
 # ------------------------------------------------------------------ measuring

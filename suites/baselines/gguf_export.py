@@ -114,6 +114,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise MoetuneError("rope_interleave = false checkpoints are not supported by the GGUF export")
     if cfg.n_group > 1 and cfg.n_routed_experts % cfg.n_group:
         raise MoetuneError(f"n_routed_experts {cfg.n_routed_experts} is not divisible by n_group {cfg.n_group}")
+    if cfg.quant is not None and cfg.quant.method == "moetune_int4":
+        raise MoetuneError("int4 checkpoints (moetune's own layout) are not exported to GGUF: export their "
+                           "high-precision source (--type q4_0 for llama.cpp's INT4)")
 
 
 def group_keys(cfg: ModelConfig) -> tuple[int, int] | None:
