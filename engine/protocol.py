@@ -8,9 +8,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass
+class ServerOptions:
+    """`moetune serve`'s settings that are not performance knobs: access and limits. The defaults
+    here are the only ones (the command line's flags take them from this class)."""
+
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    metrics_public: bool = False  # /metrics without a key even when keys are set
+    loopback: bool = True  # the server listens on a loopback address only (see `show_paths`)
+
+    def show_paths(self, authenticated: bool) -> bool:
+        """Filesystem paths (/info, /v1/models) go to an authenticated client; with no key set, only
+        to a server that listens on loopback (its clients are on this machine)."""
+        return authenticated or (not self.api_keys and self.loopback)
 
 
 class _Strict(BaseModel):
@@ -155,7 +171,8 @@ def new_id(prefix: str) -> tuple[str, int]:
 class ApiError(Exception):
     """A client error: rendered as {"error": {message, type, param, code}} with `status`."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+             408: "timeout_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

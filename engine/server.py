@@ -8,8 +8,11 @@ on tokens; a client that goes away cancels its request, which frees its KV block
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +28,7 @@ from engine.errors import MoetuneError
 from engine.llm import LLM, RequestOutput, SamplingParams
 from engine.protocol import (ApiError, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest,
                              ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
-                             CompletionResponse, Usage, new_id)
+                             CompletionResponse, ServerOptions, Usage, new_id)
 from engine.scheduler import Request
 
 log = logging.getLogger("moetune")
@@ -149,8 +152,9 @@ def _sse(obj) -> str:
 class Server:
     """Route handlers bound to one engine and the name it is served under."""
 
-    def __init__(self, llm: LLM, name: str):
+    def __init__(self, llm: LLM, name: str, options: ServerOptions | None = None):
         self.llm, self.name = llm, name
+        self.options = options or ServerOptions()
         self.engine = EngineThread(llm)
         self.created = int(time.time())
 
@@ -159,23 +163,28 @@ class Server:
             raise ApiError(404, f"The model `{model}` does not exist (this server serves `{self.name}`)",
                            "model", "model_not_found")
 
-    def profile_info(self) -> dict | None:
+    def _paths(self, http: HttpRequest) -> bool:
+        return self.options.show_paths(getattr(http.state, "authenticated", False))
+
+    def profile_info(self, paths: bool) -> dict | None:
         p = self.llm.profile
         if p is None:
             return None
-        return {"path": str(p.path), "hardware_key": p.hardware_key, "model_key": p.model_key,
+        return {"path": str(p.path) if paths else None, "hardware_key": p.hardware_key, "model_key": p.model_key,
                 "knobs": dict(p.knobs), "kernel_tables": {op: len(rows) for op, rows in p.kernel_tables.items()}}
 
-    def models(self) -> dict:
+    def models(self, http: HttpRequest) -> dict:
+        paths = self._paths(http)
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "moetune",
-                "root": str(self.llm.path), "max_model_len": self.llm.max_context,
-                "profile": self.profile_info()}
+                "root": str(self.llm.path) if paths else None, "max_model_len": self.llm.max_context,
+                "profile": self.profile_info(paths)}
         return {"object": "list", "data": [card]}
 
-    def info(self) -> dict:
+    def info(self, http: HttpRequest) -> dict:
         state = self.engine.metrics.snapshot()
-        return {"model": self.name, "path": str(self.llm.path), "model_key": self.llm.model_key,
-                "dtype": str(self.llm.dtype).removeprefix("torch."), "profile": self.profile_info(),
+        paths = self._paths(http)
+        return {"model": self.name, "path": str(self.llm.path) if paths else None, "model_key": self.llm.model_key,
+                "dtype": str(self.llm.dtype).removeprefix("torch."), "profile": self.profile_info(paths),
                 "knobs": self.llm.knobs, "kernel_calls": self.llm.explain(), "max_model_len": self.llm.max_context,
                 "vocab_size": self.llm.config.vocab_size,
                 "kv_blocks_total": state["kv_total"], "kv_blocks_used": state["kv_used"],
@@ -250,6 +259,42 @@ class Server:
                                  headers={"Cache-Control": "no-cache"})
 
 
+# ---------------------------------------------------------------- access
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key (`Authorization: Bearer KEY`, compared
+    in constant time with every configured key) on all routes but /health (and /metrics when
+    metrics_public). A client that passes is marked `request.state.authenticated`. No key is ever
+    logged or echoed."""
+
+    def __init__(self, app, options: ServerOptions):
+        self.app, self.options = app, options
+        self.keys = [k.encode() for k in options.api_keys]
+
+    def _open(self, path: str) -> bool:
+        return path == "/health" or (path == "/metrics" and self.options.metrics_public)
+
+    def _authorized(self, scope) -> bool:
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        # every key compared (no early exit on a match), each in constant time
+        return bool(token) and any([hmac.compare_digest(token, key) for key in self.keys])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        authed = bool(self.keys) and self._authorized(scope)
+        if self.keys and not authed and not self._open(scope["path"]):
+            body = ApiError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`",
+                            code="invalid_api_key").body()
+            resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, send)
+        scope.setdefault("state", {})["authenticated"] = authed
+        await self.app(scope, receive, send)
+
+
 # ---------------------------------------------------------------- error mapping
 
 
@@ -288,8 +333,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(ApiError(500, f"internal error: {type(exc).__name__}"))
 
 
-def create_app(llm: LLM, name: str) -> FastAPI:
-    server = Server(llm, name)
+def create_app(llm: LLM, name: str, options: ServerOptions | None = None) -> FastAPI:
+    server = Server(llm, name, options)
 
     @asynccontextmanager
     async def lifespan(_):
@@ -299,6 +344,7 @@ def create_app(llm: LLM, name: str) -> FastAPI:
 
     app = FastAPI(title="moetune", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(Gate, options=server.options)
     _install_error_handlers(app)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
@@ -320,14 +366,34 @@ def create_app(llm: LLM, name: str) -> FastAPI:
 # ---------------------------------------------------------------- moetune serve
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not known to be loopback
+        return False
+
+
+def options_from_args(args) -> ServerOptions:
+    """ServerOptions from `moetune serve`'s flags; keys from --api-key and MOETUNE_API_KEY."""
+    keys = [k for k in [*(args.api_key or []), os.environ.get("MOETUNE_API_KEY", "")] if k]
+    return ServerOptions(api_keys=keys, metrics_public=args.metrics_public, loopback=_is_loopback(args.host))
+
+
 def serve(args) -> int:
     """`moetune serve`: load the model with this machine's tuned profile (or the given one) and serve."""
     import uvicorn
 
+    options = options_from_args(args)
+    if not options.api_keys and not options.loopback:
+        log.warning("no API key (--api-key or MOETUNE_API_KEY) on a non-loopback address: anyone who "
+                    "can reach %s:%d can use the model", args.host, args.port)
     llm = LLM(args.model, dtype=args.dtype, profile=args.profile or "auto", knobs=dict(args.knob or []),
               force_profile=args.force_profile, device=args.device)
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
     which = f"tuned profile {llm.profile.path}" if llm.profile else "the default knobs (no tuned profile)"
     log.info("serving %s (%s) with %s on http://%s:%d", name, llm.model_key, which, args.host, args.port)
-    uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level="warning", access_log=False)
+    log.info("authentication: %s", f"{len(options.api_keys)} API key(s)" if options.api_keys else "none")
+    uvicorn.run(create_app(llm, name, options), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

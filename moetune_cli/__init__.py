@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     s.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health (repeatable; "
+                        "or set MOETUNE_API_KEY, which `ps` does not show)")
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     s.set_defaults(func=_serve)
 
     from dashboards.report import add_parser as add_report
