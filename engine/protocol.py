@@ -2,7 +2,7 @@
 
 Requests are strict: an unknown field, or a known one of the wrong type, is a 400 with an
 OpenAI-style error naming the field. Accepted OpenAI fields that this engine cannot honour
-(n > 1, penalties, logprobs, ...) are refused at their non-default values rather than ignored.
+(penalties, logit_bias, suffix) are refused at their non-default values rather than ignored.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # the most top logprobs per token (OpenAI's chat limit; vLLM's default max_logprobs)
+MAX_N = 128  # the most samples per prompt (n, best_of); the token limit per request bounds them too
 
 
 @dataclass
@@ -47,7 +50,7 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM/SGLang): -1 or 0 = off
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens (load tests)
@@ -63,9 +66,9 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Literal[False] = False
-    logprobs: Literal[None] = None
-    best_of: Literal[None, 1] = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: Literal[None] = None
 
 
@@ -88,8 +91,8 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
-    logprobs: Literal[None, False] = None
-    top_logprobs: Literal[None] = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # ---------------------------------------------------------------- responses
@@ -105,10 +108,20 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions form: per token its text, logprob (None for a first prompt token), the
+    top ones {text: logprob} (they include the token itself), and its offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -126,10 +139,25 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -141,7 +169,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

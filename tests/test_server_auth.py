@@ -6,14 +6,13 @@ log; filesystem paths go only to an authenticated client (or, with no key, a loo
 from __future__ import annotations
 
 import json
-import tempfile
 
 import openai
 import pytest
 
 from engine.protocol import ServerOptions
 from engine.server import _is_loopback
-from server_util import request
+from server_util import openai_client, request, start_tiny
 from suites.live_server import ServerProcess
 
 KEYS = ("flag-key-7f3a9c", "second-flag-key-51e0")
@@ -23,9 +22,7 @@ ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET",
 
 
 def start(*extra: str) -> ServerProcess:
-    profiles = tempfile.mkdtemp(prefix="moetune-profiles-")
-    args = ["--model", "tiny", "--dtype", "float32", "--api-key", KEYS[0], "--api-key", KEYS[1], *extra]
-    return ServerProcess(args, env={"MOETUNE_PROFILES": profiles, "MOETUNE_API_KEY": ENV_KEY}).wait_ready()
+    return start_tiny("--api-key", KEYS[0], "--api-key", KEYS[1], *extra, env={"MOETUNE_API_KEY": ENV_KEY})
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +33,7 @@ def server():
 
 
 def client(server, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    return openai_client(server, key)
 
 
 def call(server, method: str, path: str, key: str | None = None, scheme: str = "Bearer"):
