@@ -25,7 +25,7 @@ class TokenEvent:
 
     text: str  # the whole generated text so far (stop strings cut off)
     num_tokens: int  # generated tokens so far
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None while running
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "abort" | "error" | None while running
     error: str | None = None
     logprobs: list = ()  # the request's live out.logprobs: read only its first num_tokens entries
     cumulative_logprob: float = 0.0
@@ -62,6 +62,10 @@ class EngineThread:
         """Drop the request before the next step; its blocks are freed then."""
         self._inbox.put(("cancel", req))
 
+    def abort_all(self) -> None:
+        """Fail every request before the next step (shutdown): finish reason "abort", with an error."""
+        self._inbox.put(("abort", None))
+
     # ------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
@@ -93,6 +97,11 @@ class EngineThread:
         elif kind == "cancel" and item.id in self._callbacks:
             self.scheduler.cancel(item)
             self._emit(item)
+        elif kind == "abort":
+            reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+            for req in reqs + [f for r in reqs for f in r.forks]:
+                self.scheduler.cancel(req, "abort")
+                self._emit(req, error="the server is shutting down")
 
     def _step(self) -> None:
         try:

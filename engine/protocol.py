@@ -25,6 +25,11 @@ class ServerOptions:
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     metrics_public: bool = False  # /metrics without a key even when keys are set
     loopback: bool = True  # the server listens on a loopback address only (see `show_paths`)
+    max_body_bytes: int = 16 << 20  # a larger request body gets 413
+    max_prompts: int = 64  # prompts in one completions request
+    max_request_tokens: int = 1 << 18  # (prompt + max_tokens) × samples, summed over a request's prompts
+    request_timeout: float = 600.0  # seconds until a request is cancelled with 408 (0: never)
+    shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM / SIGINT
 
     def show_paths(self, authenticated: bool) -> bool:
         """Filesystem paths (/info, /v1/models) go to an authenticated client; with no key set, only

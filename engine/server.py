@@ -7,7 +7,8 @@ on tokens; a client that goes away cancels its request, which frees its KV block
 
 Completions take several prompts, n samples each (best_of: the likeliest n of more), logprobs
 and echo; chat takes n, logprobs and top_logprobs. In front of every route, `Gate` checks the API
-key.
+key and the body size; ServerOptions holds the limits. SIGTERM / SIGINT drain the server
+(`Server.drain`) and exit 0.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import ipaddress
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -40,6 +43,7 @@ from engine.scheduler import Request
 log = logging.getLogger("moetune")
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+SHUTDOWN_MARGIN_S = 3.0  # time left in the shutdown grace period for closing once requests are cancelled
 
 
 # ---------------------------------------------------------------- requests → engine
@@ -216,6 +220,7 @@ class Server:
         self.engine = EngineThread(llm)
         self.created = int(time.time())
         self.texts = TokenTexts(llm.tokenizer)
+        self.draining = False
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -342,7 +347,30 @@ class Server:
         return self._stream(gen, chunks(), lambda usage: chunk([], usage), body)
 
     def generation(self, prompts: list[list[int]], params: SamplingParams, samples: int) -> Generation:
-        return Generation(self.engine, prompts, params, samples)
+        """The request's sequences, queued, once they are within the limits (ServerOptions)."""
+        o = self.options
+        if len(prompts) > o.max_prompts:
+            raise ApiError(400, f"{len(prompts)} prompts in one request: at most {o.max_prompts} (--max-prompts)",
+                           "prompt")
+        tokens = sum(len(ids) + params.max_tokens for ids in prompts) * samples
+        if tokens > o.max_request_tokens:
+            raise ApiError(400, f"the request asks for {tokens} tokens ((prompt + max_tokens) x samples): at most "
+                                f"{o.max_request_tokens} (--max-request-tokens)", "max_tokens")
+        return Generation(self.engine, prompts, params, samples, o.request_timeout or None)
+
+    def drain(self) -> None:
+        """SIGTERM / SIGINT: refuse new requests (503); cancel those still running SHUTDOWN_MARGIN_S
+        before the grace period ends (a third of it when it is shorter than 3 × that margin; a
+        stream ends with an error event and [DONE]), so that uvicorn, which waits for them, and
+        the process exit finish within it."""
+        if self.draining:
+            return
+        self.draining = True
+        grace = self.options.shutdown_grace
+        log.info("shutting down: running requests have %g s to finish", grace)
+        timer = threading.Timer(grace - min(grace / 3, SHUTDOWN_MARGIN_S), self.engine.abort_all)
+        timer.daemon = True
+        timer.start()
 
     def _stream(self, gen: Generation, chunks, usage_chunk, body) -> StreamingResponse:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -395,8 +423,34 @@ class Gate:
                             code="invalid_api_key").body()
             resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await resp(scope, receive, send)
+        if self.server.draining and scope["path"] != "/health":
+            return await _error(ApiError(503, "the server is shutting down"))(scope, receive, send)
+        limit = self.options.max_body_bytes
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), b"0")
+        if int(length or 0) > limit:
+            return await _error(_too_large(limit))(scope, receive, send)
         scope.setdefault("state", {})["authenticated"] = authed
-        await self.app(scope, receive, send)
+        await self.app(scope, _counted(receive, limit), send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def _counted(receive, limit: int):
+    """receive, failing with 413 once the body passes `limit` bytes (a body sent without a length)."""
+    seen = 0
+
+    async def counted():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise StarletteHTTPException(413, _too_large(limit).message)
+        return message
+
+    return counted
 
 
 # ---------------------------------------------------------------- error mapping
@@ -429,7 +483,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
-        return _error(ApiError(exc.status_code, str(exc.detail)))
+        return _error(ApiError(exc.status_code, str(exc.detail), code="request_too_large" if exc.status_code == 413 else None))
 
     @app.exception_handler(Exception)
     async def internal(_, exc: Exception):
@@ -482,7 +536,32 @@ def _is_loopback(host: str) -> bool:
 def options_from_args(args) -> ServerOptions:
     """ServerOptions from `moetune serve`'s flags; keys from --api-key and MOETUNE_API_KEY."""
     keys = [k for k in [*(args.api_key or []), os.environ.get("MOETUNE_API_KEY", "")] if k]
-    return ServerOptions(api_keys=keys, metrics_public=args.metrics_public, loopback=_is_loopback(args.host))
+    for flag in ("max_body_bytes", "max_prompts", "max_request_tokens"):
+        if getattr(args, flag) < 1:
+            raise MoetuneError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("request_timeout", "shutdown_grace"):
+        if getattr(args, flag) < 0:
+            raise MoetuneError(f"--{flag.replace('_', '-')} must not be negative, got {getattr(args, flag)}")
+    return ServerOptions(api_keys=keys, metrics_public=args.metrics_public, loopback=_is_loopback(args.host),
+                         max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                         max_request_tokens=args.max_request_tokens, request_timeout=args.request_timeout,
+                         shutdown_grace=args.shutdown_grace)
+
+
+def _graceful_uvicorn(config, server: Server):
+    """uvicorn's server with moetune's shutdown: on SIGTERM or SIGINT it stops accepting connections,
+    gives the running requests the grace period (Server.drain) and exits 0 (plain uvicorn re-raises
+    the signal once it has shut down); a second SIGINT quits at once."""
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            server.drain()
+
+    return Graceful(config)
 
 
 def serve(args) -> int:
@@ -499,5 +578,9 @@ def serve(args) -> int:
     which = f"tuned profile {llm.profile.path}" if llm.profile else "the default knobs (no tuned profile)"
     log.info("serving %s (%s) with %s on http://%s:%d", name, llm.model_key, which, args.host, args.port)
     log.info("authentication: %s", f"{len(options.api_keys)} API key(s)" if options.api_keys else "none")
-    uvicorn.run(create_app(llm, name, options), host=args.host, port=args.port, log_level="warning", access_log=False)
+    app = create_app(llm, name, options)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=options.shutdown_grace + 5)  # a backstop: drain() ends them first
+    _graceful_uvicorn(config, app.state.server).run()
+    log.info("stopped")
     return 0
