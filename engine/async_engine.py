@@ -4,6 +4,7 @@ forward pass.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -24,8 +25,10 @@ class TokenEvent:
 
     text: str  # the whole generated text so far (stop strings cut off)
     num_tokens: int  # generated tokens so far
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None while running
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "abort" | "error" | None while running
     error: str | None = None
+    logprobs: list = ()  # the request's live out.logprobs: read only its first num_tokens entries
+    cumulative_logprob: float = 0.0
 
 
 class EngineThread:
@@ -50,17 +53,23 @@ class EngineThread:
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
 
-    def submit(self, req: Request, on_event: Callable[[TokenEvent], None]) -> None:
-        """Queue a checked request; on_event is called in the engine thread after each token."""
-        self._inbox.put(("add", (req, on_event)))
+    def submit(self, reqs: list[Request], on_event: Callable[[int, TokenEvent], None]) -> None:
+        """Queue checked requests together (the forks of a request with it); on_event(i, event) is
+        called in the engine thread after each token of reqs[i]."""
+        self._inbox.put(("add", (reqs, on_event)))
 
     def cancel(self, req: Request) -> None:
         """Drop the request before the next step; its blocks are freed then."""
         self._inbox.put(("cancel", req))
 
+    def abort_all(self) -> None:
+        """Fail every request before the next step (shutdown): finish reason "abort", with an error."""
+        self._inbox.put(("abort", None))
+
     # ------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
+        self.metrics.set_state(self.scheduler)
         while not self._stop.is_set():
             self._drain(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
@@ -78,13 +87,21 @@ class EngineThread:
 
     def _handle(self, kind: str, item) -> None:
         if kind == "add":
-            req, on_event = item
-            self._callbacks[req.id] = on_event
-            self.metrics.on_arrival(len(req.out.prompt_token_ids))
-            self.scheduler.add(req)
+            reqs, on_event = item
+            for i, req in enumerate(reqs):
+                self._callbacks[req.id] = functools.partial(on_event, i)
+                # a sequence each; a fork starts from its parent's prefill (its prompt counted once)
+                self.metrics.on_arrival(0 if req.parent else len(req.out.prompt_token_ids))
+                if req.parent is None:
+                    self.scheduler.add(req)
         elif kind == "cancel" and item.id in self._callbacks:
             self.scheduler.cancel(item)
             self._emit(item)
+        elif kind == "abort":
+            reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+            for req in reqs + [f for r in reqs for f in r.forks]:
+                self.scheduler.cancel(req, "abort")
+                self._emit(req, error="the server is shutting down")
 
     def _step(self) -> None:
         try:
@@ -112,4 +129,5 @@ class EngineThread:
             self._last_token_t.pop(req.id, None)
             self.metrics.on_finish(out.finish_reason, now - req.arrival)
         if callback is not None:
-            callback(TokenEvent(out.text, len(out.token_ids), out.finish_reason, error))
+            callback(TokenEvent(out.text, len(out.token_ids), out.finish_reason, error, out.logprobs,
+                                out.cumulative_logprob))

@@ -3,6 +3,10 @@
 Per layer the cache is [num_blocks, block_size, R + P]: for every token the normalized latent c
 (which is both K and V after absorption) followed by the roped shared key k_pe. A sequence owns
 an ordered list of blocks (its block table); slot = block_id · block_size + offset.
+
+Blocks are reference-counted: `fork` gives a new sequence the blocks of another (the samples of
+one prompt share its prefill), and a sequence about to write into a block it shares copies that
+block first (copy on write). A block returns to the free list when its last holder releases it.
 """
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ from engine.errors import MoetuneError
 
 
 class BlockAllocator:
-    """Free list of block ids; blocks are handed out lowest-first and returned on free."""
+    """Free list of block ids with a holder count per block; blocks are handed out lowest-first and
+    return to the free list when their last holder frees them."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -31,10 +37,20 @@ class BlockAllocator:
         if not self.can_allocate(n):
             raise MoetuneError(f"KV cache full: {n} blocks wanted, {len(self._free)} free "
                                "(raise max_total_tokens)")
-        return [self._free.pop() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
 
 
 @dataclass
@@ -57,15 +73,32 @@ class LatentKVCache:
     def capacity_tokens(self) -> int:
         return self.allocator.num_blocks * self.block_size
 
+    def _shared_tail(self, seq: SeqCache, new_tokens: int) -> bool:
+        """The next tokens would be written into a partly filled last block that another sequence holds."""
+        return (new_tokens > 0 and seq.num_tokens % self.block_size != 0
+                and self.allocator.refs[seq.block_table[-1]] > 1)
+
     def blocks_needed(self, seq: SeqCache, new_tokens: int) -> int:
         total = seq.num_tokens + new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        grow = max(0, -(-total // self.block_size) - len(seq.block_table))
+        return grow + self._shared_tail(seq, new_tokens)
 
     def reserve(self, seq: SeqCache, new_tokens: int) -> None:
         """Room for `new_tokens` more tokens (blocks allocated, num_tokens advanced), no slots:
-        the engine computes a whole step's slots at once from its block tables."""
+        the engine computes a whole step's slots at once from its block tables. A shared last
+        block that the new tokens would write into is copied first."""
+        if self._shared_tail(seq, new_tokens):
+            old, (new,) = seq.block_table[-1], self.allocator.allocate(1)
+            self.layers[:, new] = self.layers[:, old]
+            self.allocator.free([old])
+            seq.block_table[-1] = new
         seq.block_table += self.allocator.allocate(self.blocks_needed(seq, new_tokens))
         seq.num_tokens += new_tokens
+
+    def fork(self, seq: SeqCache) -> SeqCache:
+        """A new sequence holding the same tokens in the same blocks (shared, copied on write)."""
+        self.allocator.share(seq.block_table)
+        return SeqCache(list(seq.block_table), seq.num_tokens)
 
     def append(self, seq: SeqCache, new_tokens: int) -> torch.Tensor:
         """Reserve room for `new_tokens` more tokens; returns their slots [new_tokens] int64."""

@@ -18,6 +18,7 @@ from engine.knobs import resolve_knobs
 from engine.invariant import RowwiseOps
 from engine.models.deepseek_v3 import Batch, DeepseekV3
 from engine.profile import Profile, find_profile, load_profile, model_key
+from engine.sampling import TokenLogprob, token_logprobs
 from engine.scheduler import Request, Scheduler
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 from engine.weights.loader import load_weights
@@ -55,10 +56,12 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # k: each generated token's logprob and the top k at its position
+    prompt_logprobs: int | None = None  # k: the same for every prompt token but the first
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise MoetuneError(f"max_tokens must be ≥ 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise MoetuneError(f"max_tokens must be ≥ 1 (0 only with prompt_logprobs), got {self.max_tokens}")
         if self.temperature < 0:
             raise MoetuneError(f"temperature must be ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -79,6 +82,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" | "stop"
     ttft_s: float = 0.0  # time to first token
     decode_s: float = 0.0  # time from the first to the last token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token_ids entry, when params.logprobs
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token (the first: None)
+    cumulative_logprob: float = 0.0  # the sum of `logprobs`
 
 
 class LLM:
@@ -210,14 +216,23 @@ class LLM:
 
     def _step(self, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed each request its new tokens; returns the logits of each one's last token [B, vocab]."""
+        return self._forward(reqs, new_tokens)[0]
+
+    def _forward(self, reqs: list[Request], new_tokens: list[list[int]],
+                 every_row: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`_step`, and for the requests at the indices in `every_row` (prompt logprobs) the logits
+        of all their new tokens too, {i: [len(new_tokens[i]), vocab]}: computed only when asked for."""
         batch = self._batch([r.seq for r in reqs], new_tokens)
         self._set_threads(batch.is_decode)
         with torch.inference_mode():
             runner = self.model.runner  # graph_mode=cpp: a decode step is one call, lm_head included
-            if runner is not None and batch.is_decode and runner.has_lm_head:
-                return runner.logits(batch, self.cache)
+            if runner is not None and batch.is_decode and runner.has_lm_head and not every_row:
+                return runner.logits(batch, self.cache), {}
             hidden = self.model.forward(batch, self.cache)  # decode: every row is a last token
-            return self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
+            last = self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
+            ends = torch.tensor(batch.new_lens).cumsum(0).tolist()
+            rows = {i: self.model.logits(hidden[ends[i] - batch.new_lens[i]:ends[i]]) for i in every_row}
+            return last, rows
 
     def _set_threads(self, decode_only: bool) -> None:
         """Intra-op threads for this step: knob threads_decode for a decode-only step, else
@@ -309,6 +324,9 @@ class LLM:
         token = r.sampler(logits)
         out = r.out
         out.token_ids.append(token)
+        if r.params.logprobs is not None:
+            out.logprobs += token_logprobs(logits[None], [token], r.params.logprobs)
+            out.cumulative_logprob += out.logprobs[-1].logprob
         eos = token == self.eos_token_id and not r.params.ignore_eos
         if r.detok is None:
             r.detok = IncrementalDecoder(self._decode)

@@ -1,5 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator; and
+token log-probabilities (with the top k at each position) for `logprobs`."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,3 +32,23 @@ class Sampler:
             drop = cum - sorted_logits.softmax(dim=-1) >= self.p.top_p  # keep the token that crosses top_p
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
         return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of the float32 logits, before any
+    sampling setting), and the `top` most likely tokens at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits [T, vocab] (row t predicts tokens[t]) → one TokenLogprob per row with its top k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]

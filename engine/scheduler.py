@@ -8,6 +8,11 @@ more blocks than are free, the newest running request is preempted: its blocks a
 waits again, to be recomputed (prompt + the tokens it already generated) when there is room.
 Cancelling a request frees its blocks at once.
 
+Several samples of one prompt (n > 1) share its prefill: the first sample is scheduled alone and
+holds the others in `forks`; when its prompt is in the cache they fork its blocks (engine/cache.py:
+shared, copied on write) and each samples its first token from the same logits. A request with
+params.prompt_logprobs gets the logits of every prompt position from the steps that feed them.
+
 Offline `LLM.generate` and the server both drive this class (`step()` until `has_work()` is false).
 """
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache import SeqCache
-from engine.sampling import Sampler
+from engine.sampling import Sampler, token_logprobs
 
 if TYPE_CHECKING:
     from engine.llm import LLM, RequestOutput, SamplingParams
@@ -51,6 +56,8 @@ class Request:
     t_first: float = 0.0  # when the first token was sampled
     num_preemptions: int = 0
     detok: IncrementalDecoder | None = None  # out.text kept up to date token by token (LLM._accept)
+    forks: list[Request] = field(default_factory=list)  # samples of the same prompt that fork this one's prefill
+    parent: Request | None = None  # the request whose prefill this one waits to fork
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
@@ -103,16 +110,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
-        """Drop the request wherever it is and free its blocks now (no-op once finished)."""
+        """Drop the request wherever it is and free its blocks now (no-op once finished); a request
+        still holding forks that never started cancels them too."""
         if req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
             self.cache.release(req.seq)
+        elif req.parent is not None and req in req.parent.forks:
+            req.parent.forks.remove(req)
         else:
             return
         req.status = Status.FINISHED
         req.out.finish_reason = req.out.finish_reason or reason
+        for fork in list(req.forks):
+            self.cancel(fork, reason)
 
     def cancel_all(self, reason: str = "cancelled") -> None:
         for req in list(self.running) + list(self.waiting):
@@ -131,21 +143,60 @@ class Scheduler:
             return []
         self.num_steps += 1
         reqs = [r for r, _ in plan]
-        logits = self.llm._step(reqs, [r.pending_tokens(n) for r, n in plan])
-        return [r for r, row in zip(reqs, logits) if self._after_forward(r, row)]
+        starts = [r.seq.num_tokens for r in reqs]
+        every_row = frozenset(i for i, r in enumerate(reqs) if self._wants_prompt_logprobs(r))
+        new_tokens = [r.pending_tokens(n) for r, n in plan]
+        logits, rows = self.llm._forward(reqs, new_tokens, every_row) if every_row else (self.llm._step(reqs, new_tokens), {})
+        for i, chunk in rows.items():
+            self._record_prompt_logprobs(reqs[i], starts[i], chunk)
+        return [u for r, row in zip(reqs, logits) for u in self._after_forward(r, row)]
 
-    def _after_forward(self, req: Request, logits: torch.Tensor) -> bool:
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and len(req.out.prompt_logprobs) < len(req.out.prompt_token_ids)
+
+    def _record_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """logits [n, vocab] of positions start.. (row j predicts token start + j + 1): the logprobs
+        of the prompt tokens they predict that are not recorded yet (a recompute repeats none)."""
+        prompt, done = req.out.prompt_token_ids, req.out.prompt_logprobs
+        if not done:
+            done.append(None)  # the first prompt token has no context
+        first, end = len(done), min(start + len(logits) + 1, len(prompt))
+        if first < end:
+            done += token_logprobs(logits[first - 1 - start:end - 1 - start], prompt[first:end],
+                                   req.params.prompt_logprobs)
+
+    def _after_forward(self, req: Request, logits: torch.Tensor) -> list[Request]:
+        """The requests that got a token from this row: req, and the forks it starts."""
         if req.num_pending:  # a prompt chunk that is not the last: nothing to sample yet
-            return False
+            return []
         if not req.out.token_ids:
             req.t_first = time.perf_counter()
             req.out.ttft_s = req.t_first - req.arrival
-        self.llm._accept(req, logits)
-        if req.out.finish_reason is not None:
-            self.running.remove(req)
-            self.cache.release(req.seq)
-            req.status = Status.FINISHED
-        return True
+        samples = [req, *self._fork(req)]
+        for r in samples:
+            if r.params.max_tokens == 0:  # scoring only: the prompt (and its logprobs) is all
+                r.out.finish_reason = "length"
+            else:
+                self.llm._accept(r, logits)
+            if r.out.finish_reason is not None:
+                self._finish(r)
+        return samples
+
+    def _fork(self, req: Request) -> list[Request]:
+        """req's waiting forks, running from now on with its blocks (shared) and its prompt logprobs."""
+        forks, req.forks = req.forks, []
+        for f in forks:
+            f.seq, f.status, f.t_first, f.out.ttft_s = self.cache.fork(req.seq), Status.RUNNING, req.t_first, req.out.ttft_s
+            f.out.prompt_logprobs = req.out.prompt_logprobs
+            f.parent = None
+            self.running.append(f)
+        return forks
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req.seq)
+        req.status = Status.FINISHED
 
     # ------------------------------------------------------------ scheduling
 
@@ -179,8 +230,9 @@ class Scheduler:
         return sum(self.cache.blocks_needed(r.seq, n) for r, n in plan)
 
     def _can_admit(self, req: Request, plan: Plan) -> bool:
-        """Room for another request, and free blocks for the rest of its prompt after this step."""
-        if len(self.running) >= self.max_running:
+        """Room for another request (and its forks), and free blocks for the rest of its prompt after
+        this step. A group larger than max_running_requests is admitted alone."""
+        if self.running and len(self.running) + 1 + len(req.forks) > self.max_running:
             return False
         need = self._blocks(plan) + self.cache.blocks_needed(req.seq, req.num_pending)
         return need <= self.cache.allocator.num_free

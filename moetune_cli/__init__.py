@@ -119,6 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     s.add_argument("--knob", action="append", type=_knob, metavar="NAME=VALUE", help="override a knob")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health (repeatable; "
+                        "or set MOETUNE_API_KEY, which `ps` does not show)")
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    from engine.protocol import ServerOptions as so
+
+    s.add_argument("--max-body-bytes", type=int, default=so.max_body_bytes,
+                   help="largest request body; a larger one gets 413 (default %(default)s)")
+    s.add_argument("--max-prompts", type=int, default=so.max_prompts,
+                   help="most prompts in one completions request (default %(default)s)")
+    s.add_argument("--max-request-tokens", type=int, default=so.max_request_tokens,
+                   help="most tokens one request may ask for: (prompt + max_tokens) x samples, summed over "
+                        "its prompts (default %(default)s)")
+    s.add_argument("--request-timeout", type=float, default=so.request_timeout,
+                   help="seconds after which a request is cancelled and answered 408; 0: never (default %(default)s)")
+    s.add_argument("--shutdown-grace", type=float, default=so.shutdown_grace,
+                   help="on SIGTERM/SIGINT, seconds the running requests get to finish before they are "
+                        "cancelled; the process then exits 0 (default %(default)s)")
     s.set_defaults(func=_serve)
 
     from dashboards.report import add_parser as add_report

@@ -7,21 +7,17 @@ a killed client (its blocks freed), metrics, and the tuned profile shown on /v1/
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from server_util import get, post_json, wait_idle
+from server_util import get, kill_client, openai_client, post_json, start_tiny, wait_idle
 from suites.live_server import ServerProcess
 
 # 64 blocks of 16 tokens: 32 clients of ≈ 60 tokens each need twice that, so requests wait for
@@ -33,18 +29,14 @@ PROMPTS = [f"The {w} of the mixture of experts is number {i}" for i, w in
 
 @pytest.fixture(scope="module")
 def server():
-    profiles = tempfile.mkdtemp(prefix="moetune-profiles-")  # empty: "auto" finds none
-    args = ["--model", "tiny", "--dtype", "float32"]
-    for k, v in KNOBS.items():
-        args += ["--knob", f"{k}={v}"]
-    srv = ServerProcess(args, env={"MOETUNE_PROFILES": profiles}).wait_ready()
+    srv = start_tiny(knobs=KNOBS)  # no tuned profile: "auto" finds none
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +184,9 @@ BAD = {
     "prompt longer than the context": ({"model": "tiny", "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
     "empty prompt": ({"model": "tiny", "prompt": []}, 400, "prompt"),
     "token id past the vocabulary": ({"model": "tiny", "prompt": [3, 99999]}, 400, "prompt"),
-    "two prompts": ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
-    "n 2": ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    "one of two prompts empty": ({"model": "tiny", "prompt": [[5, 6], []]}, 400, "prompt"),
+    "n 0": ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    "suffix": ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix"),
     "temperature 3": ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
     "top_p 0": ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     "empty stop string": ({"model": "tiny", "prompt": "x", "stop": [""]}, 400, "stop"),
@@ -262,30 +255,12 @@ KILLED_CLIENT = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["stream", "plain"])
 def test_killed_client_frees_its_blocks(server, client, mode):
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(server.port), mode],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "started"
-        info = wait_busy(server)
-        assert info["kv_blocks_used"] > 0 and info["requests_running"] == 1
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    info = wait_idle(server)
-    assert info["kv_blocks_used"] == 0 and info["requests_running"] == 0
+    busy, idle = kill_client(server, KILLED_CLIENT, mode)
+    assert busy["kv_blocks_used"] > 0 and busy["requests_running"] == 1
+    assert idle["kv_blocks_used"] == 0 and idle["requests_running"] == 0
     status, metrics = get(server, "/metrics")
     assert re.search(r'moetune_requests_finished_total\{reason="cancelled"\} [1-9]', metrics)
     assert complete(client, "after the kill", 3).usage.completion_tokens == 3
-
-
-def wait_busy(server, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = get(server, "/info")[1]
-        if info["kv_blocks_used"]:
-            return info
-        time.sleep(0.05)
-    return info
 
 
 # ---------------------------------------------------------------- tuned profiles
