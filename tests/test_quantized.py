@@ -54,8 +54,23 @@ def source(request, tmp_path_factory):
     return save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="module", params=["qwen3_base", "qwen2_odd_gqa3_tied", "llama3_gqa4"])
+def family_source(request, tmp_path_factory):
+    """One checkpoint of each GQA family (Qwen3-MoE, Qwen2-MoE with q/k/v biases, Llama 3)."""
+    return save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp(request.param))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source, fmt, tmp_path):
+    _check_quantized(source, fmt, tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantized_families_match_transformers_on_dequantized_weights(family_source, fmt, tmp_path):
+    _check_quantized(family_source, fmt, tmp_path)
+
+
+def _check_quantized(source, fmt, tmp_path):
     from transformers import AutoModelForCausalLM
 
     q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False)
@@ -67,9 +82,11 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source
     # the ignored alternative would be a silent dequantize-at-load: the weights must stay quantized
     # (a backend may wrap them in its packed layout; `format` reads through to the stored format)
     kind = Fp8BlockWeight if fmt == "fp8" else Int8ChannelWeight
-    assert llm.model.w["layers.1.experts.w13"].format == kind.format
-    assert (llm.model.w["layers.0.q_b_proj"] if "layers.0.q_b_proj" in llm.model.w
-            else llm.model.w["layers.0.q_proj"]).format == kind.format
+    w = llm.model.w
+    assert w["layers.1.experts.w13" if "layers.1.experts.w13" in w else "layers.1.mlp.gate_up"].format == kind.format
+    assert (w["layers.0.q_b_proj"] if "layers.0.q_b_proj" in w else w["layers.0.q_proj"]).format == kind.format
+    for key in ("layers.0.k_proj", "layers.0.v_proj"):
+        assert key not in w or w[key].format == kind.format
     assert llm.model.w["embed"].dtype == torch.float32  # embeddings stay high precision
 
 
