@@ -87,3 +87,31 @@ def test_unsupported_model_type_names_the_supported(tmp_path):
     assert "'mixtral'" in msg and "\n" not in msg
     for supported in ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "llama"):
         assert supported in msg
+
+
+def test_paged_attention_kernel_tables_reach_the_calls(oracle):
+    """The GQA model's paged decode / extend call sites take their knobs from kernel tables (a row
+    for each), `explain` says so, and the logits are unchanged; the tuner's adapters of those sites
+    verify their defaults against kernels.reference."""
+    from engine.knobs import resolve_knobs
+    from tuner.cpu_ops import model_ops
+    from tuner.kernel_tier import KernelObjective
+
+    _, path, ref = oracle
+    tables = {"cpu_paged_decode": [{"format": "f32", "batch": 1, "context": 128, "cpu_attn_decode_kv_block": 16,
+                                    "cpu_attn_kv_splits": 2}],
+              "cpu_paged_extend": [{"format": "f32", "tokens": 16, "cpu_attn_extend_q_block": 8}]}
+    llm = LLM(str(path), dtype="float32", knobs={"kernel_backend": "cpu", "kv_block_size": 8},
+              kernel_tables=tables, progress=False)
+    rows = {(r["op"], k): r["sources"][k] for r in llm.explain() for k in r["knobs"]}
+    assert rows[("paged_decode", "cpu_attn_decode_kv_block")] == "table"
+    assert rows[("paged_extend", "cpu_attn_extend_q_block")] == "table"
+    assert rel_err(llm.logits(PROMPT), ref) < 1e-4
+    ops = {op.name: op for op in model_ops(llm.kernel_plan, token_buckets=(1,))}
+    assert {"cpu_paged_decode", "cpu_paged_extend"} <= set(ops)
+    knobs = resolve_knobs()
+    for name, bucket in (("cpu_paged_decode", {"batch": 3, "context": 100}), ("cpu_paged_extend", {"tokens": 70})):
+        op = ops[name]
+        shape = {k: v for k, v in op.buckets[0].items() if k not in ("batch", "context", "tokens")}
+        obj = KernelObjective(op, "f32", {**shape, **bucket})
+        assert obj.prepare({k: knobs[k] for k in op.knobs})()["time_s"] > 0  # raises WrongAnswer on a mismatch

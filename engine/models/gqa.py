@@ -20,6 +20,11 @@ class GqaDecoder(Decoder):
         return HeadKVCache(c.num_hidden_layers, num_tokens, block_size, c.num_key_value_heads, c.head_dim,
                            c.head_dim, self.dtype, device)
 
+    def attention_sites(self) -> list[tuple[str, tuple]]:
+        c = self.cfg
+        key = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim)
+        return [("paged_decode", key), ("paged_extend", key)]
+
     def project_qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, D] → q [T, H, d], k [T, G, d], v [T, G, d] (before rope)."""
         o, c, p = self.ops, self.cfg, f"layers.{i}."
