@@ -8,6 +8,11 @@ Tolerances (‖Δ‖/‖ref‖ of float32 logits, 40-token prompt):
   w8a8 release does; each activation element carries up to 0.5/127 of its row's max in rounding
   error, which through the residual stream and the layers gives 3e-3–6.4e-3 on these tiny
   models (measured): 2e-2.
+  The GQA family checkpoints (hf_oracle.FAMILY_CONFIGS: wider weights, routers spread so experts
+  do not tie) measure 0.9e-2–1.2e-2 at the median position, and a routing flip under the activation
+  rounding moves single positions (qwen3_base: one at 0.12, 2.2e-2 overall; the reference and cpu
+  backends agree to 1e-8): INT8 there is held to 2e-2 at ≥ 90 % of positions and 5e-2 overall, as
+  bf16 is in the oracle tests.
 """
 import json
 
@@ -67,18 +72,24 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantized_families_match_transformers_on_dequantized_weights(family_source, fmt, tmp_path):
-    _check_quantized(family_source, fmt, tmp_path)
+    _check_quantized(family_source, fmt, tmp_path, per_position=fmt == "int8")
 
 
-def _check_quantized(source, fmt, tmp_path):
+def _check_quantized(source, fmt, tmp_path, per_position: bool = False):
     from transformers import AutoModelForCausalLM
 
     q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False)
     ref_model = AutoModelForCausalLM.from_pretrained(dequantized_copy(q, tmp_path / "deq"), dtype=torch.float32)
     ref = hf_logits(ref_model.eval(), PROMPT)
     llm = LLM(str(q), dtype="float32", progress=False)
-    err = rel_err(llm.logits(PROMPT), ref)
-    assert err < TOL[fmt], err
+    got = llm.logits(PROMPT)
+    if per_position:
+        per_pos = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert (per_pos < TOL[fmt]).float().mean() >= 0.9, per_pos
+        assert rel_err(got, ref) < 5e-2
+    else:
+        err = rel_err(got, ref)
+        assert err < TOL[fmt], err
     # the ignored alternative would be a silent dequantize-at-load: the weights must stay quantized
     # (a backend may wrap them in its packed layout; `format` reads through to the stored format)
     kind = Fp8BlockWeight if fmt == "fp8" else Int8ChannelWeight
