@@ -84,7 +84,7 @@ def _linear_part(key: str) -> str:
         return "linear.shared"
     if ".mlp." in key:
         return "linear.dense"
-    if key.endswith(("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")):
+    if key.endswith(("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "k_proj", "v_proj")):
         return "linear.attn"
     return "linear.other"
 
