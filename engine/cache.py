@@ -1,8 +1,10 @@
-"""Paged latent KV cache for MLA and the block allocator that owns its blocks.
+"""Paged KV caches and the block allocator that owns their blocks.
 
-Per layer the cache is [num_blocks, block_size, R + P]: for every token the normalized latent c
-(which is both K and V after absorption) followed by the roped shared key k_pe. A sequence owns
-an ordered list of blocks (its block table); slot = block_id · block_size + offset.
+- MLA (`LatentKVCache`): per layer [num_blocks, block_size, R + P]: for every token the normalized
+  latent c (which is both K and V after absorption) followed by the roped shared key k_pe.
+- GQA (`HeadKVCache`): per layer K [num_blocks, block_size, Hkv, Dk] and V [.., Hkv, Dv], the
+  layout the paged_decode / paged_extend kernels read.
+A sequence owns an ordered list of blocks (its block table); slot = block_id · block_size + offset.
 
 Blocks are reference-counted: `fork` gives a new sequence the blocks of another (the samples of
 one prompt share its prefill), and a sequence about to write into a block it shares copies that
@@ -61,13 +63,12 @@ class SeqCache:
     num_tokens: int = 0
 
 
-class LatentKVCache:
-    def __init__(self, num_layers: int, num_tokens: int, block_size: int, width: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+class PagedCache:
+    """Blocks and their allocation, whatever a block holds (the subclasses' tensors)."""
+
+    def __init__(self, num_tokens: int, block_size: int):
         self.block_size = block_size
-        num_blocks = -(-num_tokens // block_size)
-        self.layers = torch.zeros(num_layers, num_blocks, block_size, width, dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(-(-num_tokens // block_size))
 
     @property
     def capacity_tokens(self) -> int:
@@ -89,11 +90,15 @@ class LatentKVCache:
         block that the new tokens would write into is copied first."""
         if self._shared_tail(seq, new_tokens):
             old, (new,) = seq.block_table[-1], self.allocator.allocate(1)
-            self.layers[:, new] = self.layers[:, old]
+            self._copy_block(old, new)
             self.allocator.free([old])
             seq.block_table[-1] = new
         seq.block_table += self.allocator.allocate(self.blocks_needed(seq, new_tokens))
         seq.num_tokens += new_tokens
+
+    def _copy_block(self, old: int, new: int) -> None:
+        """Block `old`'s contents into block `new`, in every layer (the subclasses' tensors)."""
+        raise NotImplementedError
 
     def fork(self, seq: SeqCache) -> SeqCache:
         """A new sequence holding the same tokens in the same blocks (shared, copied on write)."""
@@ -112,6 +117,23 @@ class LatentKVCache:
         self.allocator.free(seq.block_table)
         seq.block_table, seq.num_tokens = [], 0
 
+    @staticmethod
+    def block_tables(seqs: list[SeqCache]) -> torch.Tensor:
+        """[B, max blocks] int32, padded with 0 (never read past seq_lens)."""
+        width = max(len(s.block_table) for s in seqs)
+        return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                            dtype=torch.int32)
+
+
+class LatentKVCache(PagedCache):
+    def __init__(self, num_layers: int, num_tokens: int, block_size: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        super().__init__(num_tokens, block_size)
+        self.layers = torch.zeros(num_layers, self.allocator.num_blocks, block_size, width, dtype=dtype, device=device)
+
+    def _copy_block(self, old: int, new: int) -> None:
+        self.layers[:, new] = self.layers[:, old]
+
     def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [T, R + P] at slots [T]."""
         self.layers[layer].view(-1, self.layers.shape[-1])[slots.to(self.layers.device)] = rows.to(self.layers.dtype)
@@ -121,9 +143,23 @@ class LatentKVCache:
         blocks = self.layers[layer][torch.tensor(seq.block_table, dtype=torch.int64)]
         return blocks.reshape(-1, blocks.shape[-1])[: seq.num_tokens]
 
-    @staticmethod
-    def block_tables(seqs: list[SeqCache]) -> torch.Tensor:
-        """[B, max blocks] int32, padded with 0 (never read past seq_lens)."""
-        width = max(len(s.block_table) for s in seqs)
-        return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                            dtype=torch.int32)
+
+class HeadKVCache(PagedCache):
+    """K and V per KV head: k[layer] [NB, BS, Hkv, Dk], v[layer] [NB, BS, Hkv, Dv]."""
+
+    def __init__(self, num_layers: int, num_tokens: int, block_size: int, kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(num_tokens, block_size)
+        nb = self.allocator.num_blocks
+        self.k = torch.zeros(num_layers, nb, block_size, kv_heads, k_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, nb, block_size, kv_heads, v_dim, dtype=dtype, device=device)
+
+    def _copy_block(self, old: int, new: int) -> None:
+        self.k[:, new] = self.k[:, old]
+        self.v[:, new] = self.v[:, old]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k [T, Hkv, Dk] and v [T, Hkv, Dv] at slots [T]."""
+        slots = slots.to(self.k.device)
+        self.k[layer].flatten(0, 1)[slots] = k.to(self.k.dtype)
+        self.v[layer].flatten(0, 1)[slots] = v.to(self.v.dtype)

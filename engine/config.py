@@ -1,8 +1,12 @@
 """ModelConfig: every field of a Hugging Face `config.json` that changes the math.
 
-Read from the released DeepSeek checkpoints (`deepseek_v3`: V3, R1, Kimi-K2; `deepseek_v2`: V2,
-V2-Lite). YaRN settings come from `rope_scaling` (released checkpoints) or `rope_parameters` (what
-current transformers writes).
+Read from the released checkpoints of two attention kinds:
+- MLA, the DeepSeek family (`deepseek_v3`: V3, R1, Kimi-K2; `deepseek_v2`: V2, V2-Lite);
+- GQA, with a paged K/V cache per KV head: `qwen3_moe` (Qwen3-MoE), `qwen2_moe` (Qwen1.5/Qwen2-MoE)
+  and `llama` (Llama 3 dense). Their heads are described in the same fields: every q/k dim is a
+  rope dim (qk_nope_head_dim 0, qk_rope_head_dim = v_head_dim = head_dim, kv_lora_rank 0).
+Rope settings come from `rope_scaling` (released checkpoints) or `rope_parameters` (what current
+transformers writes): YaRN, or Llama 3's scaling.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from typing import Any
 from engine.errors import MoetuneError
 from kernels.formats import INT4_GROUPS
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+GQA_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "llama")
+SUPPORTED_MODEL_TYPES = MLA_MODEL_TYPES + GQA_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,16 @@ class YarnConfig:
 
 
 @dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's rope scaling: low frequencies divided by `factor`, a smooth blend between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """`quantization_config`: FP8 block (the official DeepSeek-V3 release), channel INT8, or
     moetune's own group INT4 (`moetune quantize --to int4`)."""
@@ -44,7 +60,7 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a DeepSeek-V2/V3-family checkpoint.
+    """The architecture of a supported checkpoint (MLA: DeepSeek-V2/V3; GQA: Qwen3-MoE, Qwen2-MoE, Llama 3).
 
     Shape legend used across the engine: D hidden, H heads, R kv_lora_rank, P qk_rope_head_dim,
     N qk_nope_head_dim, V v_head_dim, E routed experts, K experts per token, I moe intermediate.
@@ -84,6 +100,14 @@ class ModelConfig:
     norm_topk_prob: bool
     first_k_dense_replace: int
     moe_layer_freq: int
+    # --- gqa families (defaults: the MLA family's values)
+    num_key_value_heads: int = 0  # Hkv (0: MLA)
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2-MoE)
+    qk_norm: bool = False  # RMSNorm per head on q and k before rope (Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one shared expert, behind a sigmoid gate
+    decoder_sparse_step: int = 1  # Qwen: layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    llama3_rope: Llama3Rope | None = None
     # --- extras
     num_nextn_predict_layers: int = 0  # MTP layers stored after the trunk; skipped
     quant: QuantConfig | None = None
@@ -94,21 +118,38 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def is_mla(self) -> bool:
+        return self.model_type in MLA_MODEL_TYPES
+
+    @property
+    def head_dim(self) -> int:
+        """A GQA head's width (q, k and v)."""
+        return self.qk_rope_head_dim
+
+    @property
     def has_correction_bias(self) -> bool:
         return self.topk_method == "noaux_tc"
 
+    @property
+    def shared_width(self) -> int:
+        """The shared FFN's width beside the routed experts (0: none)."""
+        if self.shared_expert_intermediate_size:
+            return self.shared_expert_intermediate_size
+        return self.moe_intermediate_size * self.n_shared_experts
+
     def is_moe_layer(self, layer: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
+        if self.n_routed_experts == 0:
+            return False
+        if not self.is_mla:
+            return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
     def softmax_scale(self) -> float:
-        """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)**2 under YaRN."""
+        """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)**2 under YaRN (DeepSeek's MLA
+        only: the GQA families scale the softmax by 1/sqrt(head_dim) whatever the rope)."""
         scale = self.qk_head_dim ** -0.5
-        if self.yarn is not None and self.yarn.mscale_all_dim:
+        if self.is_mla and self.yarn is not None and self.yarn.mscale_all_dim:
             m = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
             scale *= m * m
         return scale
@@ -201,6 +242,13 @@ def _parse(cfg: dict) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise MoetuneError(f"model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    mc = _parse_mla(cfg) if model_type in MLA_MODEL_TYPES else _parse_gqa(cfg)
+    _validate(mc)
+    return mc
+
+
+def _parse_mla(cfg: dict) -> ModelConfig:
+    model_type = cfg["model_type"]
     if cfg.get("attention_bias"):
         raise MoetuneError("config.json: attention_bias=true is not supported (no released checkpoint uses it)")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -250,7 +298,90 @@ def _parse(cfg: dict) -> ModelConfig:
         quant=_parse_quant(cfg),
         raw=cfg,
     )
-    _validate(mc)
+    return mc
+
+
+def _trunk(cfg: dict) -> dict:
+    """The fields every family reads the same way."""
+    return dict(
+        model_type=cfg["model_type"],
+        vocab_size=int(_require(cfg, "vocab_size")),
+        hidden_size=int(_require(cfg, "hidden_size")),
+        num_hidden_layers=int(_require(cfg, "num_hidden_layers")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=_first_id(cfg.get("bos_token_id")),
+        eos_token_id=_first_id(cfg.get("eos_token_id")),
+        quant=_parse_quant(cfg),
+        raw=cfg,
+    )
+
+
+def _parse_llama3(section: dict, max_pos: int) -> Llama3Rope:
+    try:
+        return Llama3Rope(factor=float(section["factor"]), low_freq_factor=float(section["low_freq_factor"]),
+                          high_freq_factor=float(section["high_freq_factor"]),
+                          original_max_position_embeddings=int(section.get("original_max_position_embeddings")
+                                                               or max_pos))
+    except (KeyError, TypeError, ValueError) as e:
+        raise MoetuneError(f"config.json: llama3 rope scaling needs factor, low_freq_factor and "
+                           f"high_freq_factor ({e})") from None
+
+
+def _parse_gqa(cfg: dict) -> ModelConfig:
+    """Qwen3-MoE, Qwen2-MoE and Llama 3: GQA attention, softmax top-k MoE (or dense)."""
+    model_type = cfg["model_type"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MoetuneError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    if cfg.get("use_sliding_window"):
+        raise MoetuneError("config.json: use_sliding_window=true is not supported (full attention only)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise MoetuneError("config.json: attention_bias / mlp_bias=true is not supported "
+                           "(no released checkpoint of this family uses it)")
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise MoetuneError("config.json: partial_rotary_factor is not supported")
+    heads = int(_require(cfg, "num_attention_heads"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(_require(cfg, "hidden_size"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    rope = _rope_section(cfg)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default", "yarn", "llama3"):
+        raise MoetuneError(f"config.json: rope scaling type {kind!r} is not supported (yarn or llama3)")
+    moe = model_type != "llama"
+    experts = int((cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0)
+    mlp_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise MoetuneError("config.json: mlp_only_layers must be a list of layer indices")
+    mc = ModelConfig(
+        **_trunk(cfg),
+        intermediate_size=int(_require(cfg, "intermediate_size")),
+        max_position_embeddings=max_pos,
+        num_attention_heads=heads,
+        q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=head_dim, v_head_dim=head_dim,
+        rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
+        rope_interleave=False,  # rotate-half pairs (x[i], x[i + d/2]), as transformers runs them
+        yarn=_parse_yarn(rope, max_pos) if kind == "yarn" else None,
+        llama3_rope=_parse_llama3(rope, max_pos) if kind == "llama3" else None,
+        n_routed_experts=experts,
+        n_shared_experts=0,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, scoring_func="softmax", topk_method="greedy",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        first_k_dense_replace=0, moe_layer_freq=1,
+        num_key_value_heads=kv_heads,
+        qkv_bias=model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
+        qk_norm=model_type == "qwen3_moe",
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" and experts else 0,
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in mlp_only),
+    )
+    if heads % kv_heads:
+        raise MoetuneError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                           f"num_key_value_heads {kv_heads}")
     return mc
 
 

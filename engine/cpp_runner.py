@@ -24,6 +24,8 @@ def unsupported(model) -> str | None:
     from kernels import cpu
 
     c = model.cfg
+    if not c.is_mla:
+        return f"the runner runs the DeepSeek (MLA) family only, not {c.model_type}"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {model.dtype} (the runner takes float32 and bfloat16)"
     if c.scoring_func not in ("sigmoid", "softmax"):

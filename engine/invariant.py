@@ -6,7 +6,7 @@ depends on M), so in a batched step a sequence's logits change in the last bits 
 mates. Run row by row, every op sees, for a given token, the same shapes whatever it is batched
 with, and its results are bitwise those of the token run alone. The row-wise ops below cover every
 op whose result for one token depends on the other rows' count (linear, head_linear, fused_moe,
-extend_attention, mla_decode); the rest (norms, rope, SiLU, routing) are row-local already.
+extend_attention, mla_decode, paged_decode, paged_extend); the rest (norms, rope, SiLU, routing) are row-local already.
 """
 from __future__ import annotations
 
@@ -52,3 +52,13 @@ class RowwiseOps:
             write_cache(kv_cache, slots, new_rows)
         return _by_row(lambda ql, qp, bt, sl: self._ops.mla_decode(ql, qp, kv_cache, bt, sl, scale),
                        q_lat, q_pe, block_tables, seq_lens)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+        return _by_row(lambda qr, bt, sl: self._ops.paged_decode(qr, k_cache, v_cache, bt, sl, scale),
+                       q, block_tables, seq_lens)
+
+    def paged_extend(self, q, k_cache, v_cache, block_table, kv_len, scale) -> torch.Tensor:
+        """Query i (of T new) attends keys 0 .. kv_len - T + i, one call each (as extend_attention)."""
+        t = q.shape[0]
+        return torch.cat([self._ops.paged_extend(q[i:i + 1], k_cache, v_cache, block_table, kv_len - t + i + 1, scale)
+                          for i in range(t)])

@@ -37,6 +37,8 @@ TABLE_OPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "fused_moe": ("fused_moe", ("experts", "inter", "hidden", "topk"), ("tokens",)),
     "cpu_mla_decode": ("mla_decode", ("heads", "rank", "rope"), ("batch", "context")),
     "cpu_extend_attention": ("extend_attention", ("heads", "dk", "dv"), ("tokens",)),
+    "cpu_paged_decode": ("paged_decode", ("heads", "kv_heads", "dk", "dv"), ("batch", "context")),
+    "cpu_paged_extend": ("paged_extend", ("heads", "kv_heads", "dk", "dv"), ("tokens",)),
 }
 BACKEND_TO_TABLE = {v[0]: k for k, v in TABLE_OPS.items()}
 FORMATS = ("f32", "bf16", "int8", "fp8", "int4")
@@ -156,8 +158,9 @@ def build_site(op: str, fmt: str, shape: dict, tables: dict, knobs: dict, source
 
 
 class TunedOps:
-    """A kernel backend wrapper: each call of linear / fused_moe / mla_decode / extend_attention gets
-    the knobs its call site's plan chooses for its bucket (other ops pass through).
+    """A kernel backend wrapper: each call of linear / fused_moe / mla_decode / extend_attention /
+    paged_decode / paged_extend gets the knobs its call site's plan chooses for its bucket (other
+    ops pass through).
 
     Weight-bearing sites are keyed by the weight object (resolved at load); attention sites by the
     shape of the call (resolved on first sight of each shape, then memoized)."""
@@ -207,10 +210,26 @@ class TunedOps:
         site = self.attention_site("mla_decode", (q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]))
         if site is None:
             return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots)
+        arg = site.choice(q_lat.shape[0], self._step_context(seq_lens)).arg
+        return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots, knobs=arg)
+
+    def _step_context(self, seq_lens) -> int:
         if seq_lens is not self._lens:  # once per step, not per layer
             self._lens, self._context = seq_lens, int(seq_lens.max())
-        arg = site.choice(q_lat.shape[0], self._context).arg
-        return self._ops.mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, new_rows, slots, knobs=arg)
+        return self._context
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale):
+        site = self.attention_site("paged_decode", (q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3]))
+        if site is None:
+            return self._ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        arg = site.choice(q.shape[0], self._step_context(seq_lens)).arg
+        return self._ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, knobs=arg)
+
+    def paged_extend(self, q, k_cache, v_cache, block_table, kv_len, scale):
+        site = self.attention_site("paged_extend", (q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3]))
+        if site is None:
+            return self._ops.paged_extend(q, k_cache, v_cache, block_table, kv_len, scale)
+        return self._ops.paged_extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs=site.choice(q.shape[0]).arg)
 
     def extend_attention(self, q, k, v, scale):
         site = self.attention_site("extend_attention", (q.shape[1], q.shape[2], v.shape[2]))

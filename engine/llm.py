@@ -10,13 +10,14 @@ from typing import Sequence
 import torch
 
 import kernels
-from engine.cache import LatentKVCache, SeqCache
+from engine.cache import PagedCache, SeqCache
 from engine.config import ModelConfig
 from engine.device import resolve_device, to_device
 from engine.errors import MoetuneError
 from engine.knobs import resolve_knobs
 from engine.invariant import RowwiseOps
-from engine.models.deepseek_v3 import Batch, DeepseekV3
+from engine.models import build_model
+from engine.models.base import Batch
 from engine.profile import Profile, find_profile, load_profile, model_key
 from engine.sampling import TokenLogprob, token_logprobs
 from engine.scheduler import Request, Scheduler
@@ -88,7 +89,8 @@ class RequestOutput:
 
 
 class LLM:
-    """A DeepSeek-V2/V3-family model loaded for inference on this machine.
+    """A model of a supported family (DeepSeek-V2/V3, Qwen3-MoE, Qwen2-MoE, Llama 3: engine/models)
+    loaded for inference on this machine.
 
     model: a preset name ("tiny", "small") or a Hugging Face checkpoint directory.
     dtype: activation (and high-precision weight) dtype, "bfloat16" or "float32".
@@ -123,7 +125,7 @@ class LLM:
         absorb = self.knobs["mla_absorb"]
         if self.knobs["batch_invariant"]:  # see engine/invariant.py
             absorb = "always"
-        self.model = DeepseekV3(self.config, weights, ops, self.dtype, absorb=absorb)
+        self.model = build_model(self.config, weights, ops, self.dtype, absorb=absorb)
         self.kernel_plan: list = []  # per call site and bucket: the knobs its calls use (moetune explain)
         cpu_backend = getattr(ops, "__name__", "") == "kernels.cpu"
         if cpu_backend:
@@ -133,9 +135,7 @@ class LLM:
             ops = RowwiseOps(ops)
         self.model.ops = ops
         self.model.runner = self._decode_runner(ops, cpu_backend)
-        c = self.config
-        self.cache = LatentKVCache(c.num_hidden_layers, self.knobs["max_total_tokens"], self.knobs["kv_block_size"],
-                                   c.kv_lora_rank + c.qk_rope_head_dim, self.dtype, self.device)
+        self.cache = self.model.make_cache(self.knobs["max_total_tokens"], self.knobs["kv_block_size"], self.device)
 
     def _tuned_ops(self, ops, weights: dict, command_line: dict, kernel_tables: dict | None):
         """The cpu backend wrapped so that every linear / fused MoE / attention call takes the knobs of
@@ -175,9 +175,8 @@ class LLM:
         def attention_site(op: str, key: tuple) -> kt.SitePlan:
             return site(op, cache_fmt, kt.attention_shape(op, key))
 
-        c = self.config
-        attention_site("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim))
-        attention_site("extend_attention", (c.num_attention_heads, c.qk_head_dim, c.v_head_dim))
+        for op, key in self.model.attention_sites():
+            attention_site(op, key)
         self.kernel_plan = list(sites.values())
         return kt.TunedOps(ops, by_weight, attention_site)
 
@@ -189,7 +188,7 @@ class LLM:
 
         why = ("it runs on the cpu kernel backend only" if not cpu_backend or self.device.type != "cpu" else
                "batch_invariant runs every op row by row" if self.knobs["batch_invariant"] else
-               "mla_absorb=never asks for the naive MLA form" if self.model.absorb == "never" else
+               "mla_absorb=never asks for the naive MLA form" if getattr(self.model, "absorb", None) == "never" else
                cpp_runner.unsupported(self.model))
         if why:
             log.info("graph_mode=cpp: decode steps stay eager (%s)", why)
@@ -249,7 +248,7 @@ class LLM:
         starts = torch.tensor([s.num_tokens for s in seqs])
         for s, n in zip(seqs, lens):
             self.cache.reserve(s, n)
-        tables = LatentKVCache.block_tables(seqs)
+        tables = PagedCache.block_tables(seqs)
         token_ids = torch.tensor(list(itertools.chain.from_iterable(new_tokens)))
         if all(n == 1 for n in lens):  # decode: one token per sequence
             seq_of, positions = torch.arange(len(seqs)), starts

@@ -1,11 +1,12 @@
-"""Rotary angles: plain RoPE or YaRN (DeepSeek's long-context scaling), as cos/sin per position."""
+"""Rotary angles: plain RoPE, YaRN (DeepSeek's and Qwen's long-context scaling) or Llama 3's scaling,
+as cos/sin per position."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from engine.config import ModelConfig, YarnConfig, yarn_mscale
+from engine.config import Llama3Rope, ModelConfig, YarnConfig, yarn_mscale
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -29,6 +30,20 @@ def _yarn_inv_freq(y: YarnConfig, dim: int, base: float) -> torch.Tensor:
     return interpolated * (1 - keep_original) + extrapolated * keep_original
 
 
+def _llama3_inv_freq(r: Llama3Rope, dim: int, base: float) -> torch.Tensor:
+    """Wavelengths longer than original/low_freq_factor are stretched by `factor`, shorter than
+    original/high_freq_factor kept, those between blended linearly in original/wavelength."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+    high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+    smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / r.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, out)
+
+
 def _attention_factor(y: YarnConfig) -> float:
     """The magnitude factor applied to cos and sin (so q·k scales by its square)."""
     if y.attention_factor is not None:
@@ -39,13 +54,15 @@ def _attention_factor(y: YarnConfig) -> float:
 
 
 class RotaryAngles:
-    """cos/sin [T, P/2] for given positions; P = qk_rope_head_dim."""
+    """cos/sin [T, P/2] for given positions; P = qk_rope_head_dim (a GQA family's head_dim)."""
 
     def __init__(self, cfg: ModelConfig):
         dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-        if cfg.yarn is None:
+        self.factor = 1.0
+        if cfg.llama3_rope is not None:
+            self.inv_freq = _llama3_inv_freq(cfg.llama3_rope, dim, base)
+        elif cfg.yarn is None:
             self.inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-            self.factor = 1.0
         else:
             self.inv_freq = _yarn_inv_freq(cfg.yarn, dim, base)
             self.factor = _attention_factor(cfg.yarn)

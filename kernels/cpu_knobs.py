@@ -136,3 +136,6 @@ OP_KNOBS: dict[str, tuple[str, ...]] = {
                    "cpu_attn_blas_kv_block"),
     "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows"),
 }
+# The MHA/GQA paged attention runs the same C++ cores (decode, extend), so reads the same knobs.
+OP_KNOBS["paged_decode"] = OP_KNOBS["mla_decode"]
+OP_KNOBS["paged_extend"] = OP_KNOBS["extend_attention"]

@@ -56,7 +56,7 @@ def _presets(args) -> int:
     for name in PRESETS:
         path = preset_dir(name)
         state = "cached" if (path / ".complete").is_file() else "not generated yet"
-        print(f"{name:8s} {state:18s} {path}")
+        print(f"{name:15s} {state:18s} {path}")
     return 0
 
 

@@ -84,7 +84,7 @@ def _linear_part(key: str) -> str:
         return "linear.shared"
     if ".mlp." in key:
         return "linear.dense"
-    if key.endswith(("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")):
+    if key.endswith(("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "k_proj", "v_proj")):
         return "linear.attn"
     return "linear.other"
 
@@ -187,6 +187,10 @@ class OpTimer:
             elif name == "mla_decode":
                 cache, lens = args[2], args[4]
                 kv += int(lens.sum()) * cache.shape[-1] * cache.element_size()
+            elif name == "paged_decode":  # GQA: per key one K and one V row per KV head
+                k_cache, v_cache, lens = args[1], args[2], args[4]
+                row = k_cache[0, 0].numel() * k_cache.element_size() + v_cache[0, 0].numel() * v_cache.element_size()
+                kv += int(lens.sum()) * row
         self.log = []
         return groups, kv
 

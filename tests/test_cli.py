@@ -51,11 +51,11 @@ def tiny_dir(env) -> Path:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cli")
-    dirs = {name: root / name for name in ("fp8", "int8", "int4", "empty", "llama", "full")}
-    for name in ("empty", "llama", "full"):
+    dirs = {name: root / name for name in ("fp8", "int8", "int4", "empty", "mixtral", "full")}
+    for name in ("empty", "mixtral", "full"):
         dirs[name].mkdir()
     cfg = json.loads((tiny_dir / "config.json").read_text())
-    (dirs["llama"] / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    (dirs["mixtral"] / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral"}))
     (dirs["full"] / "keep.txt").write_text("not empty")
     return dirs
 
@@ -64,7 +64,7 @@ ERROR_COMMANDS = {
     "nonexistent model path": (["generate", "--model", "/nonexistent/moetune-model", "--prompt", "hi"],
                                "/nonexistent/moetune-model"),
     "directory without config.json": (["generate", "--model", "{empty}", "--prompt", "hi"], "config.json"),
-    "unsupported model_type": (["generate", "--model", "{llama}", "--prompt", "hi"], "'llama'"),
+    "unsupported model_type": (["generate", "--model", "{mixtral}", "--prompt", "hi"], "'mixtral'"),
     "prompt longer than the context": (["generate", "--model", "tiny", "--knob", "max_total_tokens=64",
                                         "--prompt", LONG_PROMPT], "context of 64"),
     "unknown knob": (["generate", "--model", "tiny", "--knob", "bogus=1", "--prompt", "hi"], "bogus"),

@@ -157,9 +157,9 @@ def _config_not_json(ckpt):
     return ["config.json", "not valid JSON"]
 
 
-def _llama(ckpt):
-    set_config(ckpt, model_type="llama")
-    return ["'llama'", "not supported"]
+def _mixtral(ckpt):
+    set_config(ckpt, model_type="mixtral")
+    return ["'mixtral'", "not supported", "qwen3_moe"]
 
 
 def _drop(name):
@@ -216,7 +216,7 @@ def _reshape(name, change, words):
 ERROR_CASES = {
     "missing config.json": _no_config,
     "config.json not JSON": _config_not_json,
-    "unsupported model_type": _llama,
+    "unsupported model_type": _mixtral,
     "missing expert tensor": _drop(f"model.layers.{MOE_LAYER}.mlp.experts.5.up_proj.weight"),
     "missing final norm": _drop("model.norm.weight"),
     "truncated shard": _truncated,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cache import BlockAllocator, LatentKVCache, SeqCache
+from engine.cache import BlockAllocator, HeadKVCache, LatentKVCache, SeqCache
 from engine.llm import RequestOutput
 from engine.sampling import token_logprobs
 from engine.scheduler import Request, Scheduler
@@ -173,3 +173,31 @@ def test_copy_on_write_keeps_the_shared_rows():
     cache.release(a)
     cache.release(b)
     assert cache.allocator.num_free == 4
+
+
+def test_copy_on_write_in_the_per_head_cache():
+    """The GQA families' cache (K and V per KV head) copies a shared partial block on write too."""
+    cache = HeadKVCache(2, 64, 16, 2, 3, 5, torch.float32)
+    a = SeqCache()
+    slots = cache.append(a, 20)
+    for layer in range(2):
+        cache.write(layer, slots, torch.arange(120.0).reshape(20, 2, 3) + layer, -torch.arange(200.0).reshape(20, 2, 5))
+    b = cache.fork(a)
+    cache.reserve(b, 1)
+    old, new = a.block_table[1], b.block_table[1]
+    assert new != old and b.block_table[0] == a.block_table[0]
+    assert torch.equal(cache.k[:, new], cache.k[:, old]) and torch.equal(cache.v[:, new], cache.v[:, old])
+    cache.release(a)
+    cache.release(b)
+    assert cache.allocator.num_free == 4
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
+def test_greedy_forks_of_a_gqa_family_equal_the_request_alone(preset):
+    gqa = LLM(preset, dtype="float32", knobs=KNOBS, progress=False)
+    alone = Request(RequestOutput(list(PROMPT)), SamplingParams(max_tokens=6, ignore_eos=True))
+    run(gqa, [alone])
+    reqs = group(SamplingParams(max_tokens=6, ignore_eos=True), 3)
+    run(gqa, reqs)
+    assert all(r.out.token_ids == alone.out.token_ids for r in reqs)
+    assert gqa.cache.allocator.refs == [0] * gqa.cache.allocator.num_blocks

@@ -11,6 +11,11 @@ Tolerances (‖Δ‖/‖ref‖ of float32 logits, 40-token prompt):
 - INT4 group (weight-only in the format): the cpu kernels' default cpu_int4_method=int8 quantizes
   activations per token and group to int8 on the microkernel path (llama.cpp's Q4 x Q8), the same
   size of rounding as INT8's: 2e-2.
+  The GQA family checkpoints (hf_oracle.FAMILY_CONFIGS: wider weights, routers spread so experts
+  do not tie) measure 0.9e-2–1.2e-2 at the median position, and a routing flip under the activation
+  rounding moves single positions (qwen3_base: one at 0.12, 2.2e-2 overall; the reference and cpu
+  backends agree to 1e-8): INT8 there is held to 2e-2 at ≥ 90 % of positions and 5e-2 overall, as
+  bf16 is in the oracle tests.
 """
 import json
 
@@ -71,8 +76,23 @@ def in_features(path) -> dict[str, int]:
     return out
 
 
+@pytest.fixture(scope="module", params=["qwen3_base", "qwen2_odd_gqa3_tied", "llama3_gqa4"])
+def family_source(request, tmp_path_factory):
+    """One checkpoint of each GQA family (Qwen3-MoE, Qwen2-MoE with q/k/v biases, Llama 3)."""
+    return save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp(request.param))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source, fmt, tmp_path):
+    _check_quantized(source, fmt, tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantized_families_match_transformers_on_dequantized_weights(family_source, fmt, tmp_path):
+    _check_quantized(family_source, fmt, tmp_path, per_position=fmt == "int8")
+
+
+def _check_quantized(source, fmt, tmp_path, per_position: bool = False):
     from transformers import AutoModelForCausalLM
 
     q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False)
@@ -80,14 +100,22 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(source
     ref_model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
     ref = hf_logits(ref_model.eval(), PROMPT)
     llm = LLM(str(q), dtype="float32", progress=False)
-    err = rel_err(llm.logits(PROMPT), ref)
-    assert err < TOL[fmt], err
+    got = llm.logits(PROMPT)
+    if per_position:
+        per_pos = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert (per_pos < TOL[fmt]).float().mean() >= 0.9, per_pos
+        assert rel_err(got, ref) < 5e-2
+    else:
+        err = rel_err(got, ref)
+        assert err < TOL[fmt], err
     # the ignored alternative would be a silent dequantize-at-load: the weights must stay quantized
     # (a backend may wrap them in its packed layout; `format` reads through to the stored format)
     kind = KIND[fmt]
-    assert llm.model.w["layers.1.experts.w13"].format == kind.format
-    assert (llm.model.w["layers.0.q_b_proj"] if "layers.0.q_b_proj" in llm.model.w
-            else llm.model.w["layers.0.q_proj"]).format == kind.format
+    w = llm.model.w
+    assert w["layers.1.experts.w13" if "layers.1.experts.w13" in w else "layers.1.mlp.gate_up"].format == kind.format
+    assert (w["layers.0.q_b_proj"] if "layers.0.q_b_proj" in w else w["layers.0.q_proj"]).format == kind.format
+    for key in ("layers.0.k_proj", "layers.0.v_proj"):
+        assert key not in w or w[key].format == kind.format
     assert llm.model.w["embed"].dtype == torch.float32  # embeddings stay high precision
 
 

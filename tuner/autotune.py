@@ -186,7 +186,7 @@ def _kernels(args, cfg, t0: float) -> int:
     del llm
     if not ops:
         raise MoetuneError(f"no kernel op to tune for {mkey} (ops: linear, fused_moe, cpu_mla_decode, "
-                           f"cpu_extend_attention; formats: those of the model's weights)")
+                           f"cpu_extend_attention, cpu_paged_decode, cpu_paged_extend; formats: those of the model's weights)")
     from tuner.kernel_tier import study_budgets
 
     studies = sum(len(op.formats) * len(op.buckets) for op in ops)
@@ -236,13 +236,13 @@ def _kernels(args, cfg, t0: float) -> int:
 
 def decode_rows(tables: dict) -> dict:
     """The tables with the knob values of their decode buckets only (linear / fused MoE at ≤ 4 tokens,
-    MLA decode): every other row keeps its bucket but no knob value, i.e. the defaults there. (Dropping
+    MLA and paged decode): every other row keeps its bucket but no knob value, i.e. the defaults there. (Dropping
     those rows would not do: a prefill call would take the nearest remaining row, a decode one;
     measured 40-50 % slower TTFT on `small`.)"""
     from engine.knobs import CATALOGUE
 
     def decode(op: str, row: dict) -> bool:
-        return op == "cpu_mla_decode" or (op in ("linear", "fused_moe") and row.get("tokens", 0) <= 4)
+        return op in ("cpu_mla_decode", "cpu_paged_decode") or (op in ("linear", "fused_moe") and row.get("tokens", 0) <= 4)
 
     return {op: [r if decode(op, r) else {k: v for k, v in r.items() if k not in CATALOGUE} for r in rows]
             for op, rows in tables.items()}

@@ -1,5 +1,6 @@
 """Kernel-tier adapters for the "cpu" backend (kernels/cpu): linear and fused MoE with their tile
-knobs, MLA decode and extend attention with the cpu_attn_* knobs.
+knobs, MLA decode and extend attention with the cpu_attn_* knobs; on a GQA model's own shapes
+(`model_ops`) the MHA/GQA paged decode and extend too.
 
 Registered by `register_cpu_ops()` (called from tuner.kernel_tier.kernel_ops) only when the
 backend imports on this machine and its knobs (kernels.cpu.KNOB_DEFAULTS) are in the catalogue.
@@ -116,13 +117,62 @@ def _extend_work(bucket: dict, fmt: str) -> dict:
     return {"bytes": BITS[fmt] // 8 * t * heads * (2 * dk + 2 * dv), "flops": heads * (dk + dv) * t * (t + 1)}
 
 
+def _gqa_dims(bucket: dict) -> tuple[int, int, int, int]:
+    return tuple(bucket.get(f, v) for f, v in (("heads", HEADS), ("kv_heads", HEADS // 4), ("dk", 128), ("dv", 128)))
+
+
+def _paged_cache(keys: list[int], dims: tuple, fmt: str, g: torch.Generator) -> tuple:
+    """K and V caches [NB, BLOCK, Hkv, d] holding `keys[i]` tokens for sequence i in shuffled
+    blocks, and the block tables [B, max blocks] int32."""
+    _, hkv, dk, dv = dims
+    per_seq = [-(-n // BLOCK) for n in keys]
+    nb = sum(per_seq)
+    k, v = (torch.randn(nb, BLOCK, hkv, d, generator=g).to(_act_dtype(fmt)) for d in (dk, dv))
+    order = torch.randperm(nb, generator=g).to(torch.int32)
+    tables = torch.zeros(len(keys), max(per_seq), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[start:start + n]
+        start += n
+    return k, v, tables
+
+
+def _paged_decode_inputs(bucket: dict, fmt: str) -> tuple:
+    b, context, dims = bucket["batch"], bucket["context"], _gqa_dims(bucket)
+    g = torch.Generator().manual_seed(b * context)
+    k, v, tables = _paged_cache([context] * b, dims, fmt, g)
+    q = torch.randn(b, dims[0], dims[2], generator=g).to(_act_dtype(fmt))
+    return q, k, v, tables, torch.full((b,), context, dtype=torch.int32), dims[2] ** -0.5
+
+
+def _paged_extend_inputs(bucket: dict, fmt: str) -> tuple:
+    t, dims = bucket["tokens"], _gqa_dims(bucket)
+    g = torch.Generator().manual_seed(t)
+    k, v, tables = _paged_cache([t], dims, fmt, g)
+    q = torch.randn(t, dims[0], dims[2], generator=g).to(_act_dtype(fmt))
+    return q, k, v, tables[0], t, dims[2] ** -0.5
+
+
+def _paged_decode_work(bucket: dict, fmt: str) -> dict:
+    h, hkv, dk, dv = _gqa_dims(bucket)
+    keys = bucket["batch"] * bucket["context"]
+    return {"bytes": keys * hkv * (dk + dv) * BITS[fmt] // 8, "flops": 2 * keys * h * (dk + dv)}
+
+
+def _paged_extend_work(bucket: dict, fmt: str) -> dict:
+    t, (h, hkv, dk, dv) = bucket["tokens"], _gqa_dims(bucket)
+    return {"bytes": BITS[fmt] // 8 * t * (h * (dk + dv) + hkv * (dk + dv)), "flops": h * (dk + dv) * t * (t + 1)}
+
+
 def _registered(names) -> dict[str, tuple[str, ...]]:
     """Each kernel-tier op's knobs: the backend's declaration of what each op reads (OP_KNOBS)."""
     from kernels.cpu_knobs import OP_KNOBS
 
     return {"linear": OP_KNOBS["linear"], "fused_moe": OP_KNOBS["fused_moe"],
             "cpu_mla_decode": OP_KNOBS["mla_decode"],
-            "cpu_extend_attention": tuple(n for n in OP_KNOBS["extend_attention"] if n in EXTEND_KNOBS)}
+            "cpu_extend_attention": tuple(n for n in OP_KNOBS["extend_attention"] if n in EXTEND_KNOBS),
+            "cpu_paged_decode": OP_KNOBS["paged_decode"],
+            "cpu_paged_extend": tuple(n for n in OP_KNOBS["paged_extend"] if n in EXTEND_KNOBS)}
 
 
 def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelOp:
@@ -143,6 +193,14 @@ def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelO
         return KernelOp("cpu_mla_decode", knobs, formats, buckets, _mla_inputs,
                         run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
                         atol=1e-2, rtol=1e-2, work=_mla_work)
+    if name == "cpu_paged_decode":
+        return KernelOp("cpu_paged_decode", knobs, formats, buckets, _paged_decode_inputs,
+                        run=lambda a, **k: cpu.paged_decode(*a, knobs=k),
+                        reference=lambda a: reference.paged_decode(*a), atol=1e-2, rtol=1e-2, work=_paged_decode_work)
+    if name == "cpu_paged_extend":
+        return KernelOp("cpu_paged_extend", knobs, formats, buckets, _paged_extend_inputs,
+                        run=lambda a, **k: cpu.paged_extend(*a, knobs=k),
+                        reference=lambda a: reference.paged_extend(*a), atol=1e-2, rtol=1e-2, work=_paged_extend_work)
     return KernelOp("cpu_extend_attention", knobs, formats, buckets, _extend_inputs,
                     run=lambda a, **k: cpu.extend_attention(*a, knobs=k),
                     reference=lambda a: reference.extend_attention(*a), atol=1e-2, rtol=1e-2, work=_extend_work)
@@ -192,9 +250,9 @@ def model_ops(sites, token_buckets=TOKEN_BUCKETS, ops=None, formats=None) -> lis
         if (ops and name not in ops) or (formats and site.format not in formats):
             continue
         shape = dict(site.shape)
-        if name == "cpu_mla_decode":
+        if name in ("cpu_mla_decode", "cpu_paged_decode"):
             buckets = [{**shape, "batch": b, "context": c} for b, c in MLA_MODEL_BUCKETS]
-        elif name == "cpu_extend_attention":
+        elif name in ("cpu_extend_attention", "cpu_paged_extend"):
             buckets = [{**shape, "tokens": t} for t in EXTEND_MODEL_BUCKETS]
         else:
             tokens = [t for t in token_buckets if t <= max(HEAD_BUCKETS)] if "lm_head" in site.names else token_buckets

@@ -10,76 +10,30 @@ MLA has two forms that must agree:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-import torch.nn.functional as F
 
-from engine.cache import LatentKVCache, SeqCache
+from engine.cache import LatentKVCache
 from engine.config import ModelConfig
-from engine.rope import RotaryAngles
-from kernels.formats import DenseWeight
+from engine.models.base import Batch, Decoder
 
 
-@dataclass
-class Batch:
-    """New tokens of several sequences, concatenated in sequence order.
-
-    token_ids, positions, slots: [T]; seqs[i] holds seq_lens[i] tokens after this step (its new
-    ones are the last new_lens[i]). block_tables: the seqs' block tables after this step [B, max
-    blocks] int32 (built from seqs when not given); the per-token attention metadata is built from
-    it once per step (`decode_rows`), not once per layer.
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    seqs: list[SeqCache]
-    new_lens: list[int]
-    block_tables: torch.Tensor | None = None
-    _memo: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def is_decode(self) -> bool:
-        if "is_decode" not in self._memo:
-            self._memo["is_decode"] = all(n == 1 for n in self.new_lens)
-        return self._memo["is_decode"]
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [s.num_tokens for s in self.seqs]
-
-    def last_token_index(self) -> torch.Tensor:
-        return torch.tensor(self.new_lens).cumsum(0) - 1
-
-    def decode_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every new token as one decode query: its sequence's block table [T, max blocks] int32
-        and the keys it sees [T] int32 (causal: position + 1), on `device`; built once per step."""
-        key = ("decode_rows", str(device))
-        if key not in self._memo:
-            tables = self.block_tables if self.block_tables is not None else LatentKVCache.block_tables(self.seqs)
-            if not self.is_decode:
-                seq_of = torch.repeat_interleave(torch.arange(len(self.new_lens)), torch.tensor(self.new_lens))
-                tables = tables[seq_of]
-            lens = (self.positions + 1).to(torch.int32)
-            self._memo[key] = (tables.to(device), lens.to(device))
-        return self._memo[key]
-
-
-class DeepseekV3:
+class DeepseekV3(Decoder):
     def __init__(self, cfg: ModelConfig, weights: dict, ops, dtype: torch.dtype, absorb: str = "decode"):
-        if hasattr(ops, "prepare_weights"):  # backends repack weights once, at load
-            weights = ops.prepare_weights(weights)
-        self.cfg, self.w, self.ops, self.dtype, self.absorb = cfg, weights, ops, dtype, absorb
-        self.rotary = RotaryAngles(cfg)
-        self.scale = cfg.softmax_scale
+        super().__init__(cfg, weights, ops, dtype)
+        self.absorb = absorb
         self.w_uk, self.w_uv = {}, {}
         for i in range(cfg.num_hidden_layers):
             self.w_uk[i], self.w_uv[i] = self._absorbed_weights(i)
-        prepare = getattr(ops, "prepare", lambda w: w)
-        self.routers = {i: prepare(DenseWeight(weights[f"layers.{i}.router"]))
-                        for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
-        self.runner = None  # engine.cpp_runner.CppDecodeRunner under graph_mode=cpp: runs decode steps
+
+    def make_cache(self, num_tokens: int, block_size: int, device) -> LatentKVCache:
+        c = self.cfg
+        return LatentKVCache(c.num_hidden_layers, num_tokens, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                             self.dtype, device)
+
+    def attention_sites(self) -> list[tuple[str, tuple]]:
+        c = self.cfg
+        return [("mla_decode", (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim)),
+                ("extend_attention", (c.num_attention_heads, c.qk_head_dim, c.v_head_dim))]
 
     # ------------------------------------------------------------ weights for absorption
 
@@ -90,30 +44,6 @@ class DeepseekV3:
         kv_b = kv_b.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
         return w_uk.transpose(1, 2).contiguous().to(self.dtype), w_uv.contiguous().to(self.dtype)
-
-    # ------------------------------------------------------------ forward
-
-    def forward(self, batch: Batch, cache: LatentKVCache) -> torch.Tensor:
-        """Hidden states after the final norm, [T, D]."""
-        if self.runner is not None and batch.is_decode:
-            return self.runner.forward(batch, cache)
-        dev = self.w["embed"].device  # the batch is built on the host; the model may live on a GPU
-        x = F.embedding(batch.token_ids.to(dev), self.w["embed"])
-        cos, sin = (t.to(dev) for t in self.rotary(batch.positions))
-        residual = x
-        h = self.ops.rms_norm(x, self.w["layers.0.attn_norm"], self.cfg.rms_norm_eps)
-        for i in range(self.cfg.num_hidden_layers):
-            p = f"layers.{i}."
-            a = self.attention(i, h, cos, sin, batch, cache)
-            h, residual = self.ops.add_rms_norm(a, residual, self.w[p + "ffn_norm"], self.cfg.rms_norm_eps)
-            m = self.moe(i, h) if self.cfg.is_moe_layer(i) else self.mlp(p + "mlp", h)
-            next_norm = self.w[f"layers.{i + 1}.attn_norm"] if i + 1 < self.cfg.num_hidden_layers else self.w["norm"]
-            h, residual = self.ops.add_rms_norm(m, residual, next_norm, self.cfg.rms_norm_eps)
-        return h
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, D] → [T, vocab] float32, on the host (where sampling runs)."""
-        return self.ops.linear(hidden, self.w["lm_head"]).float().cpu()
 
     # ------------------------------------------------------------ attention (MLA)
 
@@ -167,23 +97,3 @@ class DeepseekV3:
             outs.append(o.extend_attention(q[start:start + n], k, v, self.scale))
             start += n
         return torch.cat(outs)
-
-    # ------------------------------------------------------------ feed-forward
-
-    def mlp(self, key: str, h: torch.Tensor) -> torch.Tensor:
-        o = self.ops
-        return o.linear(o.silu_and_mul(o.linear(h, self.w[key + ".gate_up"])), self.w[key + ".down"])
-
-    def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        o, c, p = self.ops, self.cfg, f"layers.{i}."
-        router_logits = o.linear(h.float(), self.routers[i])
-        weights, ids = o.grouped_topk(router_logits, self.w.get(p + "router_bias"), c.num_experts_per_tok,
-                                      c.n_group, c.topk_group, c.scoring_func, c.norm_topk_prob,
-                                      c.routed_scaling_factor)
-        out = o.fused_moe(h, self.w[p + "experts.w13"], self.w[p + "experts.w2"], weights, ids)
-        if c.n_shared_experts:
-            out = out + self.mlp(p + "shared", h)
-        return out
-
-
-

@@ -1,4 +1,5 @@
-"""Which tensors a DeepSeek-V2/V3 checkpoint holds, and where each goes in the engine's layout.
+"""Which tensors a checkpoint holds (DeepSeek-V2/V3, Qwen3-MoE, Qwen2-MoE, Llama 3), and where each
+goes in the engine's layout.
 
 Hugging Face names (`model.layers.3.mlp.experts.17.gate_proj.weight`) map onto engine keys
 (`layers.3.experts.w13`, expert 17, part 0). Linears may fuse parts along their rows (gate | up)
@@ -34,7 +35,24 @@ class TensorSpec:
     float32: bool = False  # keep in float32 whatever the model dtype (router, correction bias)
 
 
+def _gqa_attention(cfg: ModelConfig, i: int) -> list:
+    """q/k/v/o projections, with Qwen2-MoE's q/k/v biases or Qwen3-MoE's per-head q/k norms."""
+    p, hf = f"layers.{i}.", f"model.layers.{i}.self_attn."
+    d, hq, hkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    specs: list = []
+    for name, rows in (("q", hq), ("k", hkv), ("v", hkv)):
+        specs.append(LinearSpec(f"{p}{name}_proj", (rows,), d, ((f"{hf}{name}_proj",),)))
+        if cfg.qkv_bias:
+            specs.append(TensorSpec(f"{p}{name}_bias", (rows,), f"{hf}{name}_proj.bias"))
+    if cfg.qk_norm:
+        specs += [TensorSpec(p + "q_norm", (cfg.head_dim,), hf + "q_norm.weight"),
+                  TensorSpec(p + "k_norm", (cfg.head_dim,), hf + "k_norm.weight")]
+    return specs + [LinearSpec(p + "o_proj", (d,), hq, ((hf + "o_proj",),))]
+
+
 def _attention(cfg: ModelConfig, i: int) -> list:
+    if not cfg.is_mla:
+        return _gqa_attention(cfg, i)
     p, hf = f"layers.{i}.", f"model.layers.{i}.self_attn."
     d, h, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
     specs: list = []
@@ -77,8 +95,11 @@ def _mlp(cfg: ModelConfig, i: int) -> list:
     if cfg.has_correction_bias:
         specs.append(TensorSpec(p + "router_bias", (e,), hf + "gate.e_score_correction_bias", float32=True))
     specs += _ffn(p + "experts", [f"{hf}experts.{x}." for x in range(e)], cfg.moe_intermediate_size, d)
-    if cfg.n_shared_experts:
-        specs += _ffn(p + "shared", [hf + "shared_experts."], cfg.moe_intermediate_size * cfg.n_shared_experts, d)
+    if cfg.n_shared_experts:  # DeepSeek: n_shared_experts experts' width in one FFN
+        specs += _ffn(p + "shared", [hf + "shared_experts."], cfg.shared_width, d)
+    elif cfg.shared_expert_intermediate_size:  # Qwen2-MoE: one shared expert behind a sigmoid gate
+        specs += _ffn(p + "shared", [hf + "shared_expert."], cfg.shared_width, d)
+        specs.append(TensorSpec(p + "shared_gate", (1, d), hf + "shared_expert_gate.weight", float32=True))
     return specs
 
 
@@ -108,7 +129,7 @@ def layer_of(hf_name: str) -> int | None:
 # The linears the released FP8 / INT8 checkpoints quantize: every projection inside the decoder
 # layers. Embeddings, the LM head, norms and the router stay in high precision.
 QUANTIZED_PROJECTIONS = (
-    "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+    "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "k_proj", "v_proj",
     "gate_proj", "up_proj", "down_proj",
 )
 

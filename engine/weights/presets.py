@@ -1,9 +1,12 @@
-"""Built-in models: deterministic random-weight DeepSeek-V3 checkpoints in the real HF layout.
+"""Built-in models: deterministic random-weight checkpoints in the real HF layout, per family:
+`tiny` / `small` (DeepSeek-V3), `tiny-qwen3moe` / `small-qwen3moe`, `tiny-qwen2moe` /
+`small-qwen2moe`, `tiny-llama` / `small-llama` (Llama 3).
 
 Generated on first use into the cache directory ($MOETUNE_CACHE, default ~/.cache/moetune) as
 config.json + sharded safetensors (with model.safetensors.index.json) + tokenizer files, exactly
-what `save_pretrained` of DeepseekV3ForCausalLM would write, so the same loader path serves real
-checkpoints. `small` has a fixed shape so figures compare across runs and machines.
+what `save_pretrained` of the family's transformers class would write, so the same loader path
+serves real checkpoints. `tiny-*` take a second (tests); `small-*` have a fixed shape near 1 B
+parameters so figures compare across runs and machines.
 """
 from __future__ import annotations
 
@@ -70,6 +73,76 @@ PRESETS: dict[str, dict] = {
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     },
 }
+
+
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_bias": False, "use_sliding_window": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+}
+_QWEN2_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "initializer_range": 0.02, "qkv_bias": True, "use_sliding_window": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+}
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+}
+
+# The tiny ones draw weights wider than a real init (0.02), so attention is sharp enough for rope and
+# the K/V cache to change greedy tokens (with near-uniform attention a rope error would not show).
+TINY_INIT = {"initializer_range": 0.15}
+
+PRESETS.update({
+    "tiny-qwen3moe": {
+        **_QWEN3_MOE, **TINY_INIT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "max_position_embeddings": 2048,
+        "rope_theta": 1000000.0,
+    },
+    # ≈1.09 B parameters: Qwen3-30B-A3B's layer shape (GQA 32/4, head_dim 128, top-8 of 768-wide experts), 64 experts, 3 layers.
+    "small-qwen3moe": {
+        **_QWEN3_MOE, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 3,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "max_position_embeddings": 16384,
+        "rope_theta": 1000000.0,
+    },
+    "tiny-qwen2moe": {
+        **_QWEN2_MOE, **TINY_INIT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "max_position_embeddings": 2048,
+        "rope_theta": 1000000.0,
+    },
+    # ≈1.07 B parameters: Qwen1.5-MoE-A2.7B's layer shape (16 heads, top-4 of 1408-wide experts, a
+    # 5632-wide gated shared expert), 48 experts, 2 layers.
+    "small-qwen2moe": {
+        **_QWEN2_MOE, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 48, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "max_position_embeddings": 16384,
+        "rope_theta": 1000000.0,
+    },
+    "tiny-llama": {
+        **_LLAMA3, **TINY_INIT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,  # tied random embeddings make greedy decoding echo its input
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 256},
+        "rope_theta": 500000.0,
+    },
+    # ≈1.04 B parameters: Llama 3.2 1B's shape (16 layers, GQA 32/8, 8192-wide MLP, tied embeddings)
+    # with a 32000-token vocabulary.
+    "small-llama": {
+        **_LLAMA3, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 16384,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "rope_theta": 500000.0,
+    },
+})
 
 
 def cache_root() -> Path:
@@ -139,7 +212,7 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     """Deterministic per name, whatever the generation order."""
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    if name.endswith("norm.weight"):  # every RMSNorm (layer, q/k, MLA's q_a/kv_a, final) starts at one
         return torch.ones(shape)
     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
     if name.endswith("e_score_correction_bias"):

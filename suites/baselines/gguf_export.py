@@ -1,4 +1,5 @@
-"""Export an engine checkpoint (a preset or any DeepSeek-V3-family HF checkpoint) to GGUF `deepseek2`.
+"""Export an engine checkpoint (a preset or any HF checkpoint of a supported family) to GGUF: DeepSeek
+as `deepseek2`, Qwen3-MoE as `qwen3moe`, Qwen2-MoE as `qwen2moe`, Llama 3 as `llama`.
 
     python -m suites.baselines.gguf_export MODEL OUT.gguf [--type f32|bf16|q8_0|q4_0]
 
@@ -23,6 +24,18 @@ What llama.cpp's deepseek2 loader expects (facts, learned from its loader and co
   0.1 · mscale_all_dim (llama.cpp divides by 0.1 again when loading).
 * Rope pairs interleaved (2i, 2i+1) as the released weights are: checkpoints with
   rope_interleave = false are refused rather than silently permuted.
+
+What its GQA architectures expect (qwen3moe, qwen2moe, llama):
+
+* head_count_kv, key_length = value_length = rope_dimension_count = head_dim; q/k norms
+  `attn_{q,k}_norm`; q/k/v biases `attn_{q,k,v}.bias`; the shared expert `ffn_*_shexp` and its gate
+  `ffn_gate_inp_shexp` [D]; experts stacked as for deepseek2.
+* qwen3moe / qwen2moe rope in rotate-half (NEOX) form as stored; llama's rope pairs are (2i, 2i+1),
+  so q_proj / k_proj rows are permuted per head from the HF rotate-half order; Llama 3's rope
+  scaling is the `rope_freqs.weight` tensor of per-pair frequency divisors.
+* Every qwen layer is MoE (no mlp_only_layers / decoder_sparse_step), qwen2moe has q/k/v biases,
+  and qwen3moe renormalizes its top-k weights while qwen2moe does not (as llama.cpp runs them);
+  other settings are refused, and so is YaRN on these families (not checked against llama.cpp).
 
 Norms, biases and the router stay F32; a tensor whose row length is not a multiple of the quant
 block (32) stays F32 (f32/bf16 exports) or BF16 — it is listed in the returned summary. The
@@ -54,6 +67,15 @@ _ATTN = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
          "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+_ATTN_GQA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+ARCHES = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "qwen3_moe": "qwen3moe",
+          "qwen2_moe": "qwen2moe", "llama": "llama"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -63,15 +85,19 @@ class TensorPlan:
     """One GGUF tensor: its name, numpy shape (outermost first) and how it is built from HF tensors."""
     name: str
     shape: tuple[int, ...]
-    kind: str  # "plain" | "experts" | "k_b" | "v_b"
+    kind: str  # "plain" | "experts" | "k_b" | "v_b" | "rope_perm" (llama q/k rows) | "rope_freqs"
     sources: list[str] = field(default_factory=list)
     keep_f32: bool = False
+    heads: int = 0  # rope_perm: the heads whose rows are permuted
 
 
 def plan_tensors(cfg: ModelConfig, hf_shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     """The GGUF tensors of a checkpoint, in file order."""
     H, N, V, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    arch = ARCHES[cfg.model_type]
     plans: list[TensorPlan] = []
+    if cfg.llama3_rope is not None:
+        plans.append(TensorPlan("rope_freqs.weight", (cfg.head_dim // 2,), "rope_freqs", keep_f32=True))
     experts: dict[tuple[int, str], list[str]] = {}
     for name, shape in hf_shapes.items():
         if name in _TOP:
@@ -79,7 +105,7 @@ def plan_tensors(cfg: ModelConfig, hf_shapes: dict[str, tuple[int, ...]]) -> lis
             continue
         parts = name.split(".")
         if parts[:2] != ["model", "layers"]:
-            raise MoetuneError(f"cannot place tensor {name!r} in a deepseek2 GGUF")
+            raise MoetuneError(f"cannot place tensor {name!r} in a {arch} GGUF")
         layer, rest = int(parts[2]), ".".join(parts[3:])
         if layer >= cfg.num_hidden_layers:
             continue  # MTP layers: llama.cpp's deepseek2 does not run them either
@@ -98,16 +124,25 @@ def plan_tensors(cfg: ModelConfig, hf_shapes: dict[str, tuple[int, ...]]) -> lis
         if rest == "mlp.gate.e_score_correction_bias":
             plans.append(TensorPlan(f"blk.{layer}.exp_probs_b.bias", shape, "plain", [name], keep_f32=True))
             continue
-        base = rest.removesuffix(".weight")
-        if base not in _ATTN:
-            raise MoetuneError(f"cannot place tensor {name!r} in a deepseek2 GGUF")
+        names = _ATTN if arch == "deepseek2" else _ATTN_GQA
+        base, suffix = rest.rsplit(".", 1)
+        if base not in names or suffix not in ("weight", "bias"):
+            raise MoetuneError(f"cannot place tensor {name!r} in a {arch} GGUF")
+        if base == "mlp.shared_expert_gate":
+            shape = (shape[-1],)  # llama.cpp reads the gate as one row [D]
         keep = len(shape) == 1 or base == "mlp.gate"
-        plans.append(TensorPlan(f"blk.{layer}.{_ATTN[base]}.weight", shape, "plain", [name], keep_f32=keep))
+        plan = TensorPlan(f"blk.{layer}.{names[base]}.{suffix}", shape, "plain", [name], keep_f32=keep)
+        if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj"):
+            plan.kind = "rope_perm"
+            plan.heads = H if base == "self_attn.q_proj" else cfg.num_key_value_heads
+        plans.append(plan)
     return plans
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse what llama.cpp's deepseek2 cannot run the same way (one line each)."""
+    """Refuse what llama.cpp cannot run the same way (one line each)."""
+    if not cfg.is_mla:
+        return _check_gqa(cfg)
     if cfg.n_routed_experts == 0:
         raise MoetuneError("dense checkpoints are not a deepseek2 MoE export target")
     if not cfg.rope_interleave:
@@ -119,6 +154,23 @@ def check_exportable(cfg: ModelConfig) -> None:
                            "high-precision source (--type q4_0 for llama.cpp's INT4)")
 
 
+def _check_gqa(cfg: ModelConfig) -> None:
+    arch = ARCHES[cfg.model_type]
+    if cfg.yarn is not None:
+        raise MoetuneError(f"yarn rope scaling is not exported for {arch} (not checked against llama.cpp)")
+    if arch == "llama":
+        return
+    if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+        raise MoetuneError(f"{arch} GGUF: every layer must be MoE (mlp_only_layers / decoder_sparse_step "
+                           "are not exported)")
+    if arch == "qwen2moe" and not cfg.qkv_bias:
+        raise MoetuneError("qwen2moe GGUF: qkv_bias=false is not exported (llama.cpp reads the q/k/v biases)")
+    want = arch == "qwen3moe"  # llama.cpp renormalizes qwen3moe's top-k weights, never qwen2moe's
+    if cfg.norm_topk_prob != want:
+        raise MoetuneError(f"{arch} GGUF: norm_topk_prob={str(cfg.norm_topk_prob).lower()} is not what "
+                           f"llama.cpp runs for {arch} ({str(want).lower()})")
+
+
 def group_keys(cfg: ModelConfig) -> tuple[int, int] | None:
     """(expert_group_count, expert_group_used_count) to write, or None when the limit is a no-op."""
     grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy")
@@ -127,8 +179,22 @@ def group_keys(cfg: ModelConfig) -> tuple[int, int] | None:
     return cfg.n_group, cfg.topk_group
 
 
+def write_metadata_gqa(w, cfg: ModelConfig) -> None:
+    """The hyperparameters llama.cpp's qwen3moe / qwen2moe / llama read (the trunk's are common)."""
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.n_routed_experts:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
 def write_metadata(w, cfg: ModelConfig, name: str, ftype: int) -> None:
-    """Every hyperparameter llama.cpp's deepseek2 reads."""
+    """Every hyperparameter llama.cpp reads for the checkpoint's architecture."""
     import gguf
 
     w.add_name(name)
@@ -139,10 +205,12 @@ def write_metadata(w, cfg: ModelConfig, name: str, ftype: int) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(1)  # MLA as MQA over the latent
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if not cfg.is_mla:
+        return write_metadata_gqa(w, cfg)
+    w.add_head_count_kv(1)  # MLA as MQA over the latent
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
@@ -245,7 +313,18 @@ def _build(plan: TensorPlan, src: _Source, cfg: ModelConfig) -> np.ndarray:
     """The float32 numpy array of one GGUF tensor (numpy order: outermost dimension first)."""
     if plan.kind == "experts":
         return torch.stack([src.get(s) for s in plan.sources]).numpy()
+    if plan.kind == "rope_freqs":  # llama.cpp divides each pair's base frequency by this factor
+        from engine.rope import RotaryAngles
+
+        d = cfg.head_dim
+        base = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        return (base / RotaryAngles(cfg).inv_freq).numpy()
     t = src.get(plan.sources[0])
+    if plan.kind == "rope_perm":  # per head, rows [first halves | second halves] → pairs (2i, 2i+1)
+        rows = t.shape[0] // plan.heads
+        t = t.reshape(plan.heads, 2, rows // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    if plan.kind == "plain":
+        t = t.reshape(plan.shape)
     if plan.kind in ("k_b", "v_b"):
         H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         kv = t.view(H, N + V, t.shape[-1])
@@ -285,7 +364,7 @@ def export_gguf(model: str | Path, out: str | Path, gtype: str = "bf16", progres
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(tmp, "deepseek2")
+    w = gguf.GGUFWriter(tmp, ARCHES[cfg.model_type])
     write_metadata(w, cfg, Path(str(model)).name, int(ftype))
     write_tokenizer(w, model_dir, cfg)
     types = [_tensor_type(p, gtype) for p in plans]
