@@ -20,8 +20,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU fused MoE: rows per task (intermediate rows in gate/up, output rows in down); tasks are "
          "experts × tiles", low=8, high=512, log=True, pow2=True),
     Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
-         "CPU linear / fused MoE (tokens per expert): from this many, weight blocks are unpacked to "
-         "float32 and multiplied with BLAS instead of the register microkernel", low=1, high=4096, log=True),
+         "CPU linear / fused MoE (tokens per expert): from this many, the GEMM path (per "
+         "cpu_bf16_gemm / cpu_int8_gemm: weight blocks unpacked to float32 for BLAS, oneDNN, the "
+         "VNNI / AVX512-BF16 dot-product GEMM, or AMX from cpu_amx_min_tokens) instead of the register "
+         "microkernel", low=1, high=4096, log=True),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
          low=16, high=4096, log=True, pow2=True),
