@@ -100,6 +100,24 @@ def test_gguf_q8_keeps_odd_rows_unquantized(tmp_path):
                                                  ("blk.0.attn_v_b.weight", (4, 16, 32))]
 
 
+def test_gguf_q8_of_a_quantized_checkpoint_keeps_its_high_precision_tensors(tmp_path):
+    """An INT8-channel checkpoint (LM head and embeddings kept high precision, as the releases do):
+    in its Q8_0 export those stay BF16, so llama.cpp reads the same weights as ours; the quantized
+    projections are Q8_0. A BF16 checkpoint's Q8_0 export quantizes its LM head as before."""
+    import gguf
+
+    from engine.weights.quantize import quantize_checkpoint
+
+    q = quantize_checkpoint(ensure_preset("tiny", progress=False), tmp_path / "int8", "int8", progress=False)
+    export_gguf(q, tmp_path / "q8.gguf", "q8_0", progress=False)
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors}
+    assert kinds["output.weight"] == "BF16" and kinds["token_embd.weight"] == "BF16"
+    assert kinds["blk.1.ffn_gate_exps.weight"] == "Q8_0" and kinds["blk.0.attn_output.weight"] == "Q8_0"
+    export_gguf("tiny", tmp_path / "q8-from-bf16.gguf", "q8_0", progress=False)
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8-from-bf16.gguf").tensors}
+    assert kinds["output.weight"] == "Q8_0"
+
+
 # ------------------------------------------------------------------ llama.cpp runs it
 
 

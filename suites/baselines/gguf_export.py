@@ -6,7 +6,8 @@ as `deepseek2`, Qwen3-MoE as `qwen3moe`, Qwen2-MoE as `qwen2moe`, Llama 3 as `ll
 The same weights llama.cpp then runs, in the precision matching ours (MATCHING): fp32 ↔ F32 (for
 the token-agreement check), bf16 ↔ BF16, int8 ↔ Q8_0, int4 ↔ Q4_0 (gguf-py can quantize Q4_0 but
 not Q4_K, which needs llama.cpp's own quantize tool). FP8-block and INT8-channel checkpoints (the
-released layouts, `moetune quantize`) are dequantized first.
+released layouts, `moetune quantize`) are dequantized first; the tensors such a checkpoint keeps in
+high precision (LM head, embeddings) are written BF16 in a Q8_0 / Q4_0 export, as ours reads them.
 
 What llama.cpp's deepseek2 loader expects (facts, learned from its loader and converter):
 
@@ -58,6 +59,9 @@ from engine.config import ModelConfig
 from engine.errors import MoetuneError
 
 GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
+# part of the cached exports' key (llamacpp.gguf_path): 2 = a quantized checkpoint's high-precision
+# tensors stay BF16 in Q8_0 / Q4_0 exports
+LAYOUT_VERSION = 2
 MATCHING = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # our format → GGUF type
 
 _ATTN = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -297,6 +301,11 @@ class _Source:
         return {k: tuple(h.get_slice(k).get_shape()) for k, h in self.files.items()
                 if not k.endswith(("_scale_inv", "_scale"))}
 
+    def quantized(self) -> set[str]:
+        """The weights stored quantized (FP8 block, INT8 channel, INT4 group: each has a scale)."""
+        return {k for k in self.files if not k.endswith(("_scale_inv", "_scale"))
+                and (k + "_scale_inv" in self.files or k + "_scale" in self.files)}
+
     def get(self, name: str) -> torch.Tensor:
         t = self.files[name].get_tensor(name)
         if name + "_scale_inv" in self.files:  # FP8 block: w * s per (b0 × b1) block
@@ -332,14 +341,19 @@ def _build(plan: TensorPlan, src: _Source, cfg: ModelConfig) -> np.ndarray:
     return np.ascontiguousarray(t.contiguous().numpy())
 
 
-def _tensor_type(plan: TensorPlan, gtype: str):
-    """The GGML type a tensor is stored in for an export of `gtype` (F32 for norms, router, odd rows)."""
+def _tensor_type(plan: TensorPlan, gtype: str, high_precision: bool = False):
+    """The GGML type a tensor is stored in for an export of `gtype` (F32 for norms, router, odd rows).
+    high_precision: the source checkpoint is quantized but keeps this tensor in high precision (the
+    LM head, the embeddings of the released FP8 / INT8 layouts): BF16, so that both engines read the
+    same weights (a Q8_0 LM head would read 70 MB of `small`'s per token where ours reads 131)."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     want = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[gtype]
     if plan.keep_f32 or want == Q.F32:
         return Q.F32
+    if high_precision and want in (Q.Q8_0, Q.Q4_0):
+        want = Q.BF16
     block = gguf.GGML_QUANT_SIZES[want][0]
     if plan.shape[-1] % block:
         return Q.BF16 if plan.shape[-1] % 2 == 0 else Q.F32
@@ -367,7 +381,8 @@ def export_gguf(model: str | Path, out: str | Path, gtype: str = "bf16", progres
     w = gguf.GGUFWriter(tmp, ARCHES[cfg.model_type])
     write_metadata(w, cfg, Path(str(model)).name, int(ftype))
     write_tokenizer(w, model_dir, cfg)
-    types = [_tensor_type(p, gtype) for p in plans]
+    quantized = src.quantized()
+    types = [_tensor_type(p, gtype, bool(quantized) and not any(n in quantized for n in p.sources)) for p in plans]
     F32 = gguf.GGMLQuantizationType.F32
     for p, qt in zip(plans, types):
         if qt == F32:

@@ -35,11 +35,14 @@ def require_llama_cpp() -> None:
 
 
 def gguf_path(model: str, gtype: str) -> Path:
-    """Where the export of `model` in `gtype` is cached (keyed by the checkpoint's config and index)."""
+    """Where the export of `model` in `gtype` is cached (keyed by the exporter's layout version and the
+    checkpoint's config and index)."""
     from engine.weights.presets import cache_root, resolve_model
 
+    from suites.baselines.gguf_export import LAYOUT_VERSION
+
     src = resolve_model(model, progress=True)
-    key = hashlib.sha256()
+    key = hashlib.sha256(f"layout {LAYOUT_VERSION}".encode())
     for name in ("config.json", "model.safetensors.index.json"):
         if (src / name).is_file():
             key.update((src / name).read_bytes())
