@@ -211,4 +211,6 @@ def test_killed_client_mid_n4_stream_frees_every_block(server, client):
     busy, idle = kill_client(server, KILLED_N4)
     assert busy["kv_blocks_used"] > 0 and busy["requests_running"] == 4
     assert idle["kv_blocks_used"] == 0 and idle["requests_running"] == 0
-    assert client.completions.create(model="tiny", prompt="after", max_tokens=3, n=2).usage.completion_tokens == 6
+    # the server still serves; ignore_eos: an unseeded sample of the random tiny model may stop early
+    after = client.completions.create(model="tiny", prompt="after", max_tokens=3, n=2, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 6
