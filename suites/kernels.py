@@ -380,9 +380,25 @@ def run(ops, fmts, tokens=None, which="small", experts_v3=32, repeats=10, store=
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("samples")}) if as_json else _line(row),
               file=out, flush=True)
+    over = stale_limits(rows)
+    if over and not as_json:
+        print(over, file=out)
     if store:
         _store(rows, dict(cpu._knobs))
     return rows
+
+
+def stale_limits(rows: list[dict], slack: float = 1.05) -> str | None:
+    """A note when a case ran above the probe's limit that its fraction is taken of (a weight held in
+    a large last-level cache, or a probe measured while the host was slower): None otherwise."""
+    worst = max(((r.get("fraction_of_read_bw") or 0.0, "read bandwidth") for r in rows), default=(0.0, ""))
+    worst = max(worst, max(((r.get("fraction_of_peak_flops") or 0.0, f"{r.get('peak')} peak") for r in rows),
+                           default=(0.0, "")))
+    if worst[0] <= slack:
+        return None
+    return (f"note: a case ran at {worst[0]:.0%} of the probe's {worst[1]}: the probe's figures are below what "
+            "this machine does now; measure them again (python -m tuner.probe --refresh) before reading "
+            "fractions")
 
 
 def _line(r: dict) -> str:

@@ -93,3 +93,12 @@ def test_linear_case_cycles_through_distinct_copies(monkeypatch):
     seen.clear()
     suite.bench_linear(suite.LinearShape("t", 256, 512), "int8", 64, 2, g)  # compute-bound: one copy
     assert len(set(seen)) == 1
+
+
+def test_a_case_above_the_probes_limit_says_the_probe_is_stale():
+    rows = [{"fraction_of_read_bw": 0.8, "fraction_of_peak_flops": 0.5, "peak": "vnni"}]
+    assert suite.stale_limits(rows) is None
+    rows.append({"fraction_of_read_bw": 0.01, "fraction_of_peak_flops": 1.2, "peak": "vnni"})
+    note = suite.stale_limits(rows)
+    assert "120%" in note and "vnni peak" in note and "tuner.probe --refresh" in note
+    assert "read bandwidth" in suite.stale_limits([{"fraction_of_read_bw": 1.44}])
