@@ -453,20 +453,7 @@ double amx_peak_gops(int64_t iters, bool int8) {
   return 2.0 * 4 * 16 * 16 * (int8 ? 64 : 32) * (double)iters * threads / dt / 1e9;
 }
 
-at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                          bool emulate) {
-  TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
-  WeightView W;
-  W.fmt = (int)fmt;
-  W.w = (const uint8_t*)w.data_ptr();
-  W.N = N;
-  W.K = K;
-  W.row_bytes = K * (fmt == kInt8 ? 1 : 2);
-  return gemm_amx(x_act, W, emulate);
-}
-
-// The same on any tile engine (TileEngine); INT8 row sums computed here for the dot-product tiles.
+// x_act [M, K] float32 · w [N, K]ᵀ (BF16 or INT8, contiguous) on any tile engine (TileEngine); INT8 row sums computed here for the dot-product engine.
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                            int64_t engine) {
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
@@ -478,7 +465,7 @@ at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tenso
   W.K = K;
   W.row_bytes = K * (fmt == kInt8 ? 1 : 2);
   std::vector<int32_t> sums;
-  if (fmt == kInt8) {
+  if (fmt == kInt8 && (engine == kTilesDot || engine == kTilesDotModel)) {
     sums.assign(N, 0);
     const int8_t* p = (const int8_t*)W.w;
     for (int64_t n = 0; n < N; ++n)
@@ -486,6 +473,12 @@ at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tenso
     W.wsum = sums.data();
   }
   return gemm_tiles_run(x_act, W, (int)engine);
+}
+
+// the same on AMX or its emulation (tests/test_amx.py)
+at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
+                          bool emulate) {
+  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx);
 }
 
 }  // namespace moetune

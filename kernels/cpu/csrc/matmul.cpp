@@ -376,11 +376,15 @@ void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
   }
 }
 
+// A BF16 weight's rows as a torch tensor [N, K] over our storage (no copy), for torch's own linear.
+inline at::Tensor bf16_weight(const WeightView& W) {
+  return at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
+}
+
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
     note_used(kUsedOnednn);
-    const at::Tensor w = at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
-    return at::linear(x_act.to(at::kBFloat16), w).to(at::kFloat);
+    return at::linear(x_act.to(at::kBFloat16), bf16_weight(W)).to(at::kFloat);
   }
   // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni) runs
   // even where AMX is present: AMX is what "unpack" and "auto" take there
@@ -428,8 +432,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     // torch's bf16 linear on the caller's bf16 rows, its bf16 output returned as is: no float32 copy
     // of the activations or of the [M, N] result (linear's output is in x's dtype)
     note_used(kUsedOnednn);
-    const at::Tensor wt = at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
-    return at::linear(x.contiguous(), wt);
+    return at::linear(x.contiguous(), bf16_weight(W));
   }
   PreparedAct p = prepare_act(x, W);
   if (gemm) {
