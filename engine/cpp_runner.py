@@ -4,7 +4,8 @@ The runner (kernels/cpu/csrc/runner.cpp, `DecodeRunner`) holds every layer's wei
 once here at load, and runs absorbed MLA (q/kv projections, norms, RoPE, head_linear, mla_decode with
 the fused cache write, o_proj) and the MoE (router, grouped top-k, fused MoE, shared experts) or dense
 FFN of every layer, calling the kernels directly; it also embeds the tokens and computes the rotary
-angles, and (`logits`, what LLM._step calls) lm_head. Python keeps the step's cache metadata (Batch).
+angles, and (`step_logits`, what LLM._step calls) lm_head. Python keeps the step's cache metadata:
+the sequences' block tables, handed over as lists.
 
 Per-call knobs: each call site's SitePlan (engine/kernel_tables.py, through TunedOps) chooses its
 struct by the step's bucket exactly as on the eager path; the chosen structs are registered with the
@@ -143,9 +144,17 @@ class CppDecodeRunner:
         """Hidden states after the final norm [T, D] for a decode-only batch (one token per sequence)."""
         return self._run(self.runner.forward, batch, cache)
 
-    def logits(self, batch, cache) -> torch.Tensor:
-        """The float32 logits [T, vocab] of a decode-only batch, lm_head included (has_lm_head)."""
-        return self._run(self.runner.forward_logits, batch, cache)
+    def step_logits(self, ids: list[int], positions: list[int], tables: list[list[int]], cache) -> torch.Tensor:
+        """The float32 logits [B, vocab] of a decode step, lm_head included (has_lm_head), from plain
+        lists (what LLM._step calls: no Batch and no tensors built in Python): each sequence's new
+        token, its position and its block table (cache space for the token reserved)."""
+        key = self._key(len(ids), max(positions) + 1)
+        recording = self._cpu.is_recording()
+        self.runner.recording = recording
+        out = self.runner.step_logits(ids, positions, tables, cache.layers, key)
+        if recording:
+            self._replay(key)
+        return out
 
     def _run(self, fn, batch, cache) -> torch.Tensor:
         tables, lens = batch.decode_rows(_HOST)

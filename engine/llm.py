@@ -221,12 +221,19 @@ class LLM:
                  every_row: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`_step`, and for the requests at the indices in `every_row` (prompt logprobs) the logits
         of all their new tokens too, {i: [len(new_tokens[i]), vocab]}: computed only when asked for."""
+        runner = self.model.runner  # graph_mode=cpp: a decode step is one call, lm_head included
+        if (runner is not None and runner.has_lm_head and not every_row
+                and all(len(t) == 1 for t in new_tokens)):  # ... fed plain lists: no Batch, no tensors
+            seqs = [r.seq for r in reqs]
+            positions = [s.num_tokens for s in seqs]
+            for s in seqs:
+                self.cache.reserve(s, 1)
+            self._set_threads(True)
+            return runner.step_logits([t[0] for t in new_tokens], positions, [s.block_table for s in seqs],
+                                      self.cache), {}
         batch = self._batch([r.seq for r in reqs], new_tokens)
         self._set_threads(batch.is_decode)
         with torch.inference_mode():
-            runner = self.model.runner  # graph_mode=cpp: a decode step is one call, lm_head included
-            if runner is not None and batch.is_decode and runner.has_lm_head and not every_row:
-                return runner.logits(batch, self.cache), {}
             hidden = self.model.forward(batch, self.cache)  # decode: every row is a last token
             last = self.model.logits(hidden if batch.is_decode else hidden[batch.last_token_index()])
             ends = torch.tensor(batch.new_lens).cumsum(0).tolist()

@@ -242,8 +242,8 @@ def timed_model(llm):
     runner = getattr(model, "runner", None)  # graph_mode=cpp: decode steps run in the C++ runner
     if runner is not None:
         def timed_call(real, lm_head: bool):
-            def call(batch, cache):
-                out = real(batch, cache)
+            def call(*args):
+                out = real(*args)
                 t0 = time.perf_counter()
                 timer.add_runner_step(runner, lm_head)
                 timer.runner_accounting += time.perf_counter() - t0  # the timer's own cost, not the model's
@@ -251,7 +251,7 @@ def timed_model(llm):
             return call
 
         runner.runner.timing = True
-        runner.forward, runner.logits = timed_call(runner.forward, False), timed_call(runner.logits, True)
+        runner.forward, runner.step_logits = timed_call(runner.forward, False), timed_call(runner.step_logits, True)
     try:
         yield timer
     finally:
@@ -259,7 +259,7 @@ def timed_model(llm):
         del llm._step  # the instance attribute: back to the class's method
         if runner is not None:
             runner.runner.timing = False
-            del runner.forward, runner.logits
+            del runner.forward, runner.step_logits
 
 
 def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row: int) -> dict:

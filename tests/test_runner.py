@@ -38,13 +38,13 @@ def _counted(llm: LLM) -> list:
     """Counts the runner's steps (fails the test if the runner is missing)."""
     runner = llm.model.runner
     assert runner is not None and runner.has_lm_head
-    seen, real = [], runner.logits
+    seen, real = [], runner.step_logits
 
-    def logits(batch, cache):
-        seen.append(batch.token_ids.numel())
-        return real(batch, cache)
+    def logits(ids, *rest):
+        seen.append(len(ids))
+        return real(ids, *rest)
 
-    runner.logits = logits
+    runner.step_logits = logits
     return seen
 
 
@@ -174,7 +174,7 @@ def test_breakdown_attributes_the_runners_calls():
                               prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     r = breakdown.measure(llm, prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
     assert r["graph_mode"] == "cpp" and eager["graph_mode"] == "eager"
-    assert "forward" not in vars(llm.model.runner) and "logits" not in vars(llm.model.runner)
+    assert "forward" not in vars(llm.model.runner) and "step_logits" not in vars(llm.model.runner)
     dec, ref = r["phases"]["decode"], eager["phases"]["decode"]
     for part in ("linear.attn", "head_linear", "attention", "norms", "rope", "routing", "linear.router", "fused_moe",
                  "linear.shared", "linear.dense", "activation", "lm_head"):
@@ -223,3 +223,23 @@ def test_eager_and_cpp_agree_on_the_gemm_path(dtype, bound):
     for k in range(2):
         for b in range(34):
             assert rel_err(got[k, b], eager[k, b]) < bound, (k, b)
+
+
+def test_step_lists_are_checked_against_the_cache():
+    """step_logits writes each token's latent row at the slot its block table and position name: a
+    block id outside the cache or a position past the table is one error, never a stray write."""
+    llm = LLM("tiny", dtype="float32", knobs={"graph_mode": "cpp"}, progress=False)
+    runner, cache = llm.model.runner, llm.cache
+    blocks, bs = cache.layers.shape[1], cache.layers.shape[2]
+    before = cache.layers.clone()
+    for tables, positions, match in (([[blocks]], [0], "outside the cache"), ([[-1]], [0], "outside the cache"),
+                                     ([[0]], [bs], "past its block table"), ([[0]], [-1], "past its block table")):
+        with pytest.raises(RuntimeError, match=match):
+            runner.step_logits([3], positions, tables, cache)
+    assert torch.equal(cache.layers, before)
+    with pytest.raises(RuntimeError, match="bad step lists"):
+        runner.step_logits([3, 4], [0], [[0]], cache)
+    logits = runner.step_logits([3], [0], [[1]], cache)  # a valid step writes block 1's first slot only
+    assert logits.shape == (1, llm.model.cfg.vocab_size) and torch.isfinite(logits).all()
+    changed = (cache.layers != before).flatten(2).any(-1)  # [layers, blocks]
+    assert changed[:, 1].all() and changed.sum() == changed.shape[0]

@@ -48,13 +48,13 @@ def observed(llm: LLM) -> ThreadsSeen:
     llm.model.ops = spy
     runner = llm.model.runner  # graph_mode=cpp: a decode step is one call of the C++ runner
     if runner is not None:
-        real = vars(runner).get("_real_logits", runner.logits)
+        real = vars(runner).get("_real_logits", runner.step_logits)
         runner._real_logits = real
 
         def logits(*a, **k):
             spy.seen.append(torch.get_num_threads())
             return real(*a, **k)
-        runner.logits = logits
+        runner.step_logits = logits
     return spy
 
 

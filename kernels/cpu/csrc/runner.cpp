@@ -195,6 +195,40 @@ class DecodeRunner {
     return out;
   }
 
+  // forward_logits from plain lists (the engine's decode fast path: no tensors built in Python):
+  // ids, positions [T]; tables: each sequence's block table (its blocks in order); the slots and the
+  // keys each token sees (position + 1) follow from them and the cache's block size. Every block id
+  // and position is checked against the cache, since the kernels write the new latent row there.
+  at::Tensor step_logits(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                         const std::vector<std::vector<int64_t>>& tables, const at::Tensor& cache, int64_t key) {
+    const int64_t T = (int64_t)ids.size();
+    TORCH_CHECK(T > 0 && (int64_t)positions.size() == T && (int64_t)tables.size() == T, "runner: bad step lists");
+    TORCH_CHECK(cache.dim() == 4, "runner: cache [layers, blocks, block size, width]");
+    const int64_t nb = cache.size(1), bs = cache.size(2);
+    int64_t width = 1;
+    for (const auto& t : tables) width = std::max<int64_t>(width, (int64_t)t.size());
+    ids_in_.assign(ids.begin(), ids.end());
+    pos_in_.assign(positions.begin(), positions.end());
+    tab_in_.assign(T * width, 0);
+    lens_in_.resize(T);
+    slots_in_.resize(T);
+    for (int64_t t = 0; t < T; ++t) {
+      const auto& row = tables[t];
+      for (size_t j = 0; j < row.size(); ++j) {
+        TORCH_CHECK(row[j] >= 0 && row[j] < nb, "runner: block id ", row[j], " outside the cache's ", nb);
+        tab_in_[t * width + j] = (int32_t)row[j];
+      }
+      const int64_t p = positions[t];
+      TORCH_CHECK(p >= 0 && p / bs < (int64_t)row.size(), "runner: position ", p, " past its block table");
+      lens_in_[t] = (int32_t)(p + 1);
+      slots_in_[t] = row[p / bs] * bs + p % bs;
+    }
+    return forward_logits(at::from_blob(ids_in_.data(), {T}, at::kLong), at::from_blob(pos_in_.data(), {T}, at::kLong),
+                          cache, at::from_blob(tab_in_.data(), {T, width}, at::kInt),
+                          at::from_blob(lens_in_.data(), {T}, at::kInt), at::from_blob(slots_in_.data(), {T}, at::kLong),
+                          key);
+  }
+
   void run_layers(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
                   const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     auto it = knobs_.find(key);
@@ -297,6 +331,8 @@ class DecodeRunner {
   float rope_factor_ = 1.f;
   std::vector<float> cos_, sin_, residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
   std::vector<int64_t> ids_;
+  std::vector<int64_t> ids_in_, pos_in_, slots_in_;  // step_logits' inputs as the tensor path takes them
+  std::vector<int32_t> tab_in_, lens_in_;
   std::vector<float> tw_;
 
   Clock::time_point tic() const { return timing ? Clock::now() : Clock::time_point(); }
@@ -573,6 +609,9 @@ void bind_runner(py::module_& m) {
       .def_readonly("total_seconds", &DecodeRunner::total_s_)
       .def("forward", &DecodeRunner::forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_logits", &DecodeRunner::forward_logits, py::call_guard<py::gil_scoped_release>())
+      .def("step_logits", &DecodeRunner::step_logits, py::arg("ids"), py::arg("positions"), py::arg("tables"),
+           py::arg("cache"), py::arg("key"), py::call_guard<py::gil_scoped_release>(),
+           "forward_logits from lists: token ids, positions, block tables (slots and lens derived)")
       .def("set_lm_head", &DecodeRunner::set_lm_head, "the output projection's kernel arguments")
       .def_readwrite("timing", &DecodeRunner::timing)
       .def_readwrite("recording", &DecodeRunner::recording)
