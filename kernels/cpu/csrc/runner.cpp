@@ -1,8 +1,11 @@
 // The decode-layer runner (engine knob graph_mode=cpp): one call per decode step runs every decoder
-// layer of a DeepSeek-V2/V3 model — absorbed MLA and the MoE / dense FFN — calling the kernels of
-// this extension directly, so a layer costs no Python, no pybind crossing and no torch glue per op.
+// layer — the attention (DeepSeek-V2/V3's absorbed MLA over the latent cache, or the GQA families'
+// q/k/v projections with their biases or per-head q/k norms, RoPE and paged decode over the per-head
+// K/V cache) and the MoE (routing, fused experts, shared experts with Qwen2-MoE's sigmoid gate) or
+// dense FFN — calling the kernels of this extension directly, so a layer costs no Python, no pybind
+// crossing and no torch glue per op.
 //
-// Numerics follow the eager path (engine/models/deepseek_v3.py over kernels/cpu) op by op: the
+// Numerics follow the eager path (engine/models/deepseek_v3.py, gqa.py over kernels/cpu) op by op: the
 // activations live in float32 buffers throughout, and every value the eager path rounds to the
 // model dtype (bfloat16) is rounded to it here at the same point, so the two paths differ only in
 // summation order where an op is computed differently (head_linear: one bmm; routing; SiLU's exp).
@@ -34,8 +37,9 @@ namespace {
 namespace py = pybind11;
 
 // Knob slots of a layer: the call sites whose knob struct the runner takes per layer and bucket.
+// MLA: q_a, q_b (or q_proj), kv_a; GQA: q, k, v. Both: o, the decode attention, the FFN's.
 enum Slot : int { kQA = 0, kQB = 1, kKVA = 2, kO = 3, kAttn = 4, kFfn1 = 5, kShGU = 6, kShDown = 7, kDown = 8,
-                  kRouter = 9, kSlots = 10 };
+                  kRouter = 9, kQ = 10, kK = 11, kV = 12, kShGate = 13, kSlots = 14 };
 // Parts of a step, as suites/breakdown.py names them (timed when timing is on).
 enum Part : int { pLinAttn = 0, pHead, pAttn, pNorms, pRope, pRouting, pRouter, pMoe, pShared, pDense, pAct,
                   pLmHead, kParts };
@@ -68,8 +72,10 @@ Lin to_lin(const py::object& o) {
 
 struct Layer {
   Lin q_a, q_b, kv_a, o, w13, w2, sh_gu, sh_down, gu, down, router;  // q_b: q_b_proj, or q_proj without q_lora
+  Lin q, k, v, sh_gate;                                              // GQA projections; Qwen2-MoE's shared gate
   at::Tensor attn_norm, q_a_norm, kv_a_norm, ffn_norm, next_norm;    // float32, values of the model dtype
-  at::Tensor w_uk, w_uv;                                             // [H, R, N], [H, V, R] in the model dtype
+  at::Tensor q_norm, k_norm, q_bias, k_bias, v_bias;                 // GQA: per-head norms [d], biases (or undefined)
+  at::Tensor w_uk, w_uv;                                             // MLA: [H, R, N], [H, V, R] in the model dtype
   at::Tensor bias;                                                   // router correction bias float32, or undefined
   bool moe = false;
 };
@@ -129,6 +135,14 @@ class DecodeRunner {
     rope_factor_ = (float)factor;
   }
 
+  // GQA mode (before add_layer): kv_heads KV heads of head_dim (the constructor's qk_rope = v_head = head_dim)
+  void set_gqa(int64_t kv_heads, int64_t head_dim) {
+    TORCH_CHECK(layers_.empty(), "runner: set_gqa before add_layer");
+    TORCH_CHECK(kv_heads >= 1 && H_ % kv_heads == 0 && head_dim == P_ && head_dim == V_ && head_dim % 2 == 0,
+                "runner: GQA needs heads a multiple of kv_heads and qk_rope = v_head = head_dim (even)");
+    gqa_ = true, Hkv_ = kv_heads, Dh_ = head_dim;
+  }
+
   void add_layer(const py::dict& lin, const py::dict& ten, bool moe) {
     Layer L;
     auto get = [&](const char* k) { return lin.contains(k) ? to_lin(lin[k]) : Lin(); };
@@ -138,15 +152,30 @@ class DecodeRunner {
       return t.to(bf_ ? at::kBFloat16 : at::kFloat).to(at::kFloat).contiguous();
     };
     L.q_a = get("q_a"), L.q_b = get("q_b"), L.kv_a = get("kv_a"), L.o = get("o");
+    L.q = get("q"), L.k = get("k"), L.v = get("v"), L.sh_gate = get("sh_gate");
     L.w13 = get("w13"), L.w2 = get("w2"), L.sh_gu = get("sh_gu"), L.sh_down = get("sh_down");
     L.gu = get("gu"), L.down = get("down"), L.router = get("router");
     L.attn_norm = norm("attn_norm"), L.q_a_norm = norm("q_a_norm"), L.kv_a_norm = norm("kv_a_norm");
     L.ffn_norm = norm("ffn_norm"), L.next_norm = norm("next_norm");
-    L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, R, N]
-    L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, V, R]
+    L.q_norm = norm("q_norm"), L.k_norm = norm("k_norm");
+    L.q_bias = norm("q_bias"), L.k_bias = norm("k_bias"), L.v_bias = norm("v_bias");  // values of the model dtype
+    if (!gqa_) {
+      L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, R, N]
+      L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, V, R]
+    }
     if (ten.contains("bias") && !ten["bias"].is_none()) L.bias = ten["bias"].cast<at::Tensor>().to(at::kFloat).contiguous();
     L.moe = moe;
-    TORCH_CHECK(L.q_b.fmt >= 0 && L.kv_a.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
+    if (gqa_) {
+      TORCH_CHECK(L.q.fmt >= 0 && L.k.fmt >= 0 && L.v.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
+      TORCH_CHECK(L.q.N == H_ * Dh_ && L.k.N == Hkv_ * Dh_ && L.v.N == Hkv_ * Dh_ && L.o.K == H_ * Dh_,
+                  "runner: q/k/v/o shapes do not match the heads");
+      for (const at::Tensor* b : {&L.q_bias, &L.k_bias, &L.v_bias, &L.q_norm, &L.k_norm})
+        TORCH_CHECK(!b->defined() || b->numel() == (b == &L.q_bias ? H_ * Dh_ : b == &L.q_norm || b == &L.k_norm
+                                                                               ? Dh_ : Hkv_ * Dh_),
+                    "runner: a GQA bias or norm weight of the wrong size");
+    } else {
+      TORCH_CHECK(L.q_b.fmt >= 0 && L.kv_a.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
+    }
     TORCH_CHECK(moe ? (L.w13.fmt >= 0 && L.w2.fmt >= 0 && L.router.fmt >= 0) : (L.gu.fmt >= 0 && L.down.fmt >= 0),
                 "runner: feed-forward weights missing");
     layers_.push_back(std::move(L));
@@ -167,9 +196,10 @@ class DecodeRunner {
   }
   bool has_knobs(int64_t key) const { return knobs_.count(key) > 0; }
 
-  // ids [T] int64 (one new token per sequence); positions [T] int64; cache [L, NB, BS, R + P];
-  // tables [T, MB] int32; lens [T] int32; slots [T] int64. Returns the final-norm hidden [T, D] (model dtype).
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+  // ids [T] int64 (one new token per sequence); positions [T] int64; caches: MLA [the latent cache
+  // [L, NB, BS, R + P]], GQA [k [L, NB, BS, Hkv, d], v (same)]; tables [T, MB] int32; lens [T] int32;
+  // slots [T] int64. Returns the final-norm hidden [T, D] (model dtype).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& cache,
                      const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     const auto t_start = tic();
     run_layers(ids, positions, cache, tables, lens, slots, key);
@@ -182,7 +212,7 @@ class DecodeRunner {
 
   // As forward, then lm_head: the float32 logits [T, vocab] (rounded to the model dtype first, as the
   // eager path's lm_head output is).
-  at::Tensor forward_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+  at::Tensor forward_logits(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& cache,
                             const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     const auto t_start = tic();
     TORCH_CHECK(lm_head_.fmt >= 0, "runner: no lm_head (set_lm_head)");
@@ -200,11 +230,12 @@ class DecodeRunner {
   // keys each token sees (position + 1) follow from them and the cache's block size. Every block id
   // and position is checked against the cache, since the kernels write the new latent row there.
   at::Tensor step_logits(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-                         const std::vector<std::vector<int64_t>>& tables, const at::Tensor& cache, int64_t key) {
+                         const std::vector<std::vector<int64_t>>& tables, const std::vector<at::Tensor>& cache,
+                         int64_t key) {
     const int64_t T = (int64_t)ids.size();
     TORCH_CHECK(T > 0 && (int64_t)positions.size() == T && (int64_t)tables.size() == T, "runner: bad step lists");
-    TORCH_CHECK(cache.dim() == 4, "runner: cache [layers, blocks, block size, width]");
-    const int64_t nb = cache.size(1), bs = cache.size(2);
+    check_caches(cache);
+    const int64_t nb = cache[0].size(1), bs = cache[0].size(2);
     int64_t width = 1;
     for (const auto& t : tables) width = std::max<int64_t>(width, (int64_t)t.size());
     ids_in_.assign(ids.begin(), ids.end());
@@ -229,22 +260,43 @@ class DecodeRunner {
                           key);
   }
 
-  void run_layers(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& cache,
+  // MLA: one latent cache [L, NB, BS, W]; GQA: k and v [L, NB, BS, Hkv, d], contiguous, of the model dtype
+  void check_caches(const std::vector<at::Tensor>& c) const {
+    const int64_t L = (int64_t)layers_.size();
+    const auto dt = bf_ ? at::kBFloat16 : at::kFloat;
+    if (gqa_) {
+      TORCH_CHECK(c.size() == 2 && c[0].dim() == 5 && c[0].sizes() == c[1].sizes() && c[0].size(0) == L &&
+                      c[0].size(3) == Hkv_ && c[0].size(4) == Dh_,
+                  "runner: GQA caches k, v [layers, blocks, block size, kv heads, head dim]");
+    } else {
+      TORCH_CHECK(c.size() == 1 && c[0].dim() == 4 && c[0].size(0) == L && c[0].size(3) == R_ + P_,
+                  "runner: MLA cache [layers, blocks, block size, rank + rope]");
+    }
+    for (const auto& t : c) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dt, "runner: caches contiguous, of the model dtype");
+  }
+
+  void run_layers(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& cache,
                   const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots, int64_t key) {
     auto it = knobs_.find(key);
     TORCH_CHECK(it != knobs_.end(), "runner: no knobs registered for bucket ", key);
     TORCH_CHECK(embed_.defined(), "runner: no embedding (set_embedding)");
     const auto& kn = it->second;
     const int64_t T = ids.numel(), D = D_, L = (int64_t)layers_.size();
+    check_caches(cache);
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && positions.numel() == T &&
-                    tables.size(0) == T && lens.numel() == T && slots.numel() == T && cache.size(0) == L,
+                    tables.size(0) == T && lens.numel() == T && slots.numel() == T,
                 "runner: bad step shapes");
-    if (cache.data_ptr() != cache_ptr_ || cache.sizes() != cache_sizes_) {  // per-layer views, once per cache
-      cache_ptr_ = cache.data_ptr();
-      cache_sizes_ = cache.sizes().vec();
+    if (cache[0].data_ptr() != cache_ptr_ || cache[0].sizes() != cache_sizes_) {  // per-layer views, once per cache
+      cache_ptr_ = cache[0].data_ptr();
+      cache_sizes_ = cache[0].sizes().vec();
       kviews_.clear(), vviews_.clear(), cviews_.clear();
       for (int64_t i = 0; i < L; ++i) {
-        at::Tensor c = cache.select(0, i);
+        if (gqa_) {  // [NB, BS, Hkv, d] each
+          kviews_.push_back(cache[0].select(0, i));
+          vviews_.push_back(cache[1].select(0, i));
+          continue;
+        }
+        at::Tensor c = cache[0].select(0, i);
         cviews_.push_back(c);
         kviews_.push_back(c.unsqueeze(2));
         vviews_.push_back(c.narrow(-1, 0, R_).unsqueeze(2));
@@ -279,7 +331,9 @@ class DecodeRunner {
     const at::Tensor slots_c = slots.to(at::kLong).contiguous();
     int64_t kv_tokens = 0;
     for (int64_t t = 0; t < T; ++t) kv_tokens += lens_c.data_ptr<int32_t>()[t];
-    kv_bytes_ = kv_tokens * cache.size(-1) * cache.element_size();
+    int64_t row_bytes = 0;  // one token's cache row(s) in one layer
+    for (const auto& c : cache) row_bytes += c[0][0][0].numel() * c.element_size();
+    kv_bytes_ = kv_tokens * row_bytes;
     h_.resize(T * D);
     {
       const auto t0 = tic();
@@ -288,7 +342,8 @@ class DecodeRunner {
       toc(pNorms, t0);
     }
     for (int64_t i = 0; i < L; ++i) {
-      attention(i, T, tables_c, lens_c, slots_c, kn[i]);
+      if (gqa_) attention_gqa(i, T, tables_c, lens_c, slots_c, kn[i]);
+      else attention(i, T, tables_c, lens_c, slots_c, kn[i]);
       add_norm(T, a_.data(), layers_[i].ffn_norm);
       if (layers_[i].moe) moe(i, T, kn[i]); else dense(i, T, kn[i]);
       add_norm(T, m_.data(), layers_[i].next_norm);
@@ -313,6 +368,8 @@ class DecodeRunner {
 
  private:
   int64_t H_, Nn_, P_, R_, V_, D_;
+  bool gqa_ = false;
+  int64_t Hkv_ = 0, Dh_ = 0;
   float eps_;
   double scale_;
   bool interleave_;
@@ -330,6 +387,8 @@ class DecodeRunner {
   at::Tensor embed_, inv_freq_;
   float rope_factor_ = 1.f;
   std::vector<float> cos_, sin_, residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
+  std::vector<float> k_, v_, gate_;
+  const at::Tensor none_ = at::empty({0}, at::kFloat), no_slots_ = at::empty({0}, at::kLong);
   std::vector<int64_t> ids_;
   std::vector<int64_t> ids_in_, pos_in_, slots_in_;  // step_logits' inputs as the tensor path takes them
   std::vector<int32_t> tab_in_, lens_in_;
@@ -477,6 +536,83 @@ class DecodeRunner {
     round_all(a_.data(), T * D_);
   }
 
+  // x [T, n] += bias [n] (values of the model dtype), rounded: the eager path's `q + q_bias`
+  void add_bias(float* x, int64_t T, const at::Tensor& b) const {
+    if (!b.defined()) return;
+    const float* bp = b.data_ptr<float>();
+    const int64_t n = b.numel();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < n; ++j) x[t * n + j] = rnd(x[t * n + j] + bp[j], bf_);
+  }
+
+  // GQA (engine/models/gqa.py): q/k/v projections (+ biases, + per-head RMSNorm), RoPE on q and k, the
+  // new K/V rows into the cache at the slots, paged decode over every sequence, o_proj.
+  void attention_gqa(int64_t i, int64_t T, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& slots,
+                     const std::vector<Knobs>& kn) {
+    const Layer& L = layers_[i];
+    const int64_t d = Dh_, G = Hkv_, half = d / 2;
+    q_.resize(T * H_ * d), k_.resize(T * G * d), v_.resize(T * G * d);
+    linear(L.q, h_.data(), T, q_.data(), kn[kQ], bf_, pLinAttn, i, kQ);
+    round_all(q_.data(), T * H_ * d);
+    linear(L.k, h_.data(), T, k_.data(), kn[kK], bf_, pLinAttn, i, kK);
+    round_all(k_.data(), T * G * d);
+    linear(L.v, h_.data(), T, v_.data(), kn[kV], bf_, pLinAttn, i, kV);
+    round_all(v_.data(), T * G * d);
+    add_bias(q_.data(), T, L.q_bias), add_bias(k_.data(), T, L.k_bias), add_bias(v_.data(), T, L.v_bias);
+    qcat_.resize(T * H_ * d), rows_.resize(T * G * d);  // roped q, roped k
+    {
+      const auto t0 = tic();
+      if (L.q_norm.defined()) {
+        for (int64_t r = 0; r < T * H_; ++r) norm_row(q_.data() + r * d, L.q_norm.data_ptr<float>(), q_.data() + r * d, d, eps_, bf_);
+        for (int64_t r = 0; r < T * G; ++r) norm_row(k_.data() + r * d, L.k_norm.data_ptr<float>(), k_.data() + r * d, d, eps_, bf_);
+      }
+      toc(pNorms, t0);
+    }
+    {
+      const auto t0 = tic();
+      const float *cp = cos_.data(), *sp = sin_.data();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < H_; ++h)
+          rope_row(q_.data() + (t * H_ + h) * d, cp + t * half, sp + t * half, d, interleave_,
+                   qcat_.data() + (t * H_ + h) * d, bf_);
+        for (int64_t h = 0; h < G; ++h)
+          rope_row(k_.data() + (t * G + h) * d, cp + t * half, sp + t * half, d, interleave_,
+                   rows_.data() + (t * G + h) * d, bf_);
+      }
+      toc(pRope, t0);
+    }
+    const auto t0 = tic();
+    {  // the new rows into the cache (checked: the slots come from the step's block tables)
+      const int64_t capacity = kviews_[i].size(0) * kviews_[i].size(1), n = G * d;
+      const int64_t* sl = slots.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "runner: slot ", sl[t], " outside the cache");
+        if (bf_) {
+          c10::BFloat16* kd = static_cast<c10::BFloat16*>(kviews_[i].data_ptr()) + sl[t] * n;
+          c10::BFloat16* vd = static_cast<c10::BFloat16*>(vviews_[i].data_ptr()) + sl[t] * n;
+          for (int64_t j = 0; j < n; ++j) kd[j] = c10::BFloat16(rows_[t * n + j]), vd[j] = c10::BFloat16(v_[t * n + j]);
+        } else {
+          std::memcpy(static_cast<float*>(kviews_[i].data_ptr()) + sl[t] * n, rows_.data() + t * n, n * sizeof(float));
+          std::memcpy(static_cast<float*>(vviews_[i].data_ptr()) + sl[t] * n, v_.data() + t * n, n * sizeof(float));
+        }
+      }
+    }
+    at::Tensor out;
+    {
+      SerialScope one(serial(kv_bytes_ / (int64_t)layers_.size()));
+      reset_used();
+      const at::Tensor q = at::from_blob(qcat_.data(), {T, H_, d}, at::kFloat);
+      out = attn_decode(q, kviews_[i], vviews_[i], tables, lens, scale_, none_, none_, no_slots_, kn[kAttn]);
+    }
+    note("paged_decode", -1, T, i, kAttn);
+    toc(pAttn, t0);
+    float* o = out.data_ptr<float>();  // [T, H, d]
+    round_all(o, T * H_ * d);
+    a_.resize(T * D_);
+    linear(L.o, o, T, a_.data(), kn[kO], bf_, pLinAttn, i, kO);
+    round_all(a_.data(), T * D_);
+  }
+
   // gate_up [T, 2I] → act [T, I] = SiLU(gate) · up in the model dtype
   void silu_mul(const float* gu, int64_t T, int64_t I, float* act) {
     const auto t0 = tic();
@@ -587,6 +723,14 @@ class DecodeRunner {
     if (L.sh_gu.fmt >= 0) {
       sh_.resize(T * D_);
       mlp(L.sh_gu, L.sh_down, T, kn[kShGU], kn[kShDown], pShared, i, kShGU, kShDown, sh_.data());
+      if (L.sh_gate.fmt >= 0) {  // Qwen2-MoE: shared output × sigmoid(shared_gate · x), float32 then rounded
+        gate_.resize(T);
+        linear(L.sh_gate, h_.data(), T, gate_.data(), kn[kShGate], false, pShared, i, kShGate);
+        for (int64_t t = 0; t < T; ++t) {
+          const float g = 1.f / (1.f + std::exp(-gate_[t]));
+          for (int64_t k = 0; k < D_; ++k) sh_[t * D_ + k] = rnd(sh_[t * D_ + k] * g, bf_);
+        }
+      }
       for (int64_t k = 0; k < T * D_; ++k) m_[k] = rnd(m_[k] + sh_[k], bf_);
     }
   }
@@ -602,6 +746,8 @@ void bind_runner(py::module_& m) {
            py::arg("hidden"), py::arg("eps"), py::arg("scale"), py::arg("interleave"), py::arg("topk"),
            py::arg("n_group"), py::arg("topk_group"), py::arg("sigmoid"), py::arg("renormalize"),
            py::arg("scaling"), py::arg("bf16"), py::arg("serial_below"))
+      .def("set_gqa", &DecodeRunner::set_gqa, py::arg("kv_heads"), py::arg("head_dim"),
+           "GQA attention (before add_layer): kv heads and head dim")
       .def("add_layer", &DecodeRunner::add_layer, "one layer's weights (kernel argument tuples) and tensors")
       .def("set_knobs", &DecodeRunner::set_knobs, "the knob structs of one bucket: per layer, one per slot")
       .def("has_knobs", &DecodeRunner::has_knobs)
@@ -621,7 +767,7 @@ void bind_runner(py::module_& m) {
       .def_readonly("kv_bytes", &DecodeRunner::kv_bytes_)
       .def("parts", &DecodeRunner::parts, "per breakdown part: (seconds, calls) of the last step (timing on)");
   m.attr("RUNNER_SLOTS") = py::make_tuple("q_a", "q_b", "kv_a", "o", "attn", "ffn1", "shared_gate_up",
-                                          "shared_down", "down", "router");
+                                          "shared_down", "down", "router", "q", "k", "v", "shared_gate");
 }
 
 }  // namespace moetune
