@@ -156,3 +156,28 @@ def test_paged_attention_kernel_tables_reach_the_calls(oracle):
         shape = {k: v for k, v in op.buckets[0].items() if k not in ("batch", "context", "tokens")}
         obj = KernelObjective(op, "f32", {**shape, **bucket})
         assert obj.prepare({k: knobs[k] for k in op.knobs})()["time_s"] > 0  # raises WrongAnswer on a mismatch
+
+
+def test_runner_calls_take_their_kernel_tables(oracle):
+    """Under graph_mode=cpp a decode step's paged_decode and q/k/v/o linears are the runner's calls,
+    recorded with the knob structs their kernel-table rows chose."""
+    from kernels import cpu
+
+    _, path, _ = oracle
+    tables = {"cpu_paged_decode": [{"format": "f32", "batch": 1, "context": 16, "cpu_attn_kv_splits": 3}],
+              "linear": [{"format": "f32", "tokens": 1, "cpu_linear_block_n": 16}]}
+    llm = LLM(str(path), dtype="float32", knobs={"graph_mode": "cpp"}, kernel_tables=tables, progress=False)
+    assert llm.model.runner is not None
+    out = llm.generate(PROMPT[:6], SamplingParams(max_tokens=1))[0]  # warm: the prompt ran eager
+    runner, steps = llm.model.runner, []
+    real = runner.step_logits
+    runner.step_logits = lambda ids, *a: steps.append(len(ids)) or real(ids, *a)
+    with cpu.recording() as rec:
+        llm.generate(PROMPT[:6] + out.token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert steps == [1]  # the one decode step ran in the runner
+    layers = llm.config.num_hidden_layers
+    decode = [c for c in rec if c["tokens"] == 1]
+    attn = [c for c in decode if c["op"] == "paged_decode"]
+    assert len(attn) == layers and all(c["knobs"]["cpu_attn_kv_splits"] == 3 for c in attn)
+    lin = [c for c in decode if c["op"] == "linear" and c["knobs"]["cpu_linear_block_n"] == 16]
+    assert len(lin) >= 4 * layers  # q, k, v, o of every layer (and the FFN's, the lm_head)
