@@ -190,7 +190,7 @@ def test_breakdown_attributes_the_runners_calls():
     assert "C++ runner" in breakdown.table(breakdown.add_bandwidth(r, None), "t")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])  # the formats `moetune quantize` writes
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])  # the formats `moetune quantize` writes
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
     """The runner calls the same kernels on every weight format (INT8 w8a8 quantizes the activations
@@ -243,3 +243,27 @@ def test_step_lists_are_checked_against_the_cache():
     assert logits.shape == (1, llm.model.cfg.vocab_size) and torch.isfinite(logits).all()
     changed = (cache.layers != before).flatten(2).any(-1)  # [layers, blocks]
     assert changed[:, 1].all() and changed.sum() == changed.shape[0]
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_batch_size_changes_between_steps(fmt, tmp_path_factory):
+    """The runner keeps each call site's activation buffers across steps: when the batch shrinks and
+    grows again (a sequence pausing), every step still gives the eager path's logits."""
+    from engine.weights.quantize import quantize_checkpoint
+
+    path = save_checkpoint(build_hf_model("v3_base"), tmp_path_factory.mktemp("src"))
+    if fmt:
+        path = quantize_checkpoint(path, tmp_path_factory.mktemp(fmt) / fmt, fmt, progress=False)
+    plan = [(0, 1), (0, 1), (0,), (0,), (1,), (0, 1)]  # which sequences decode at each step
+    results = []
+    for mode in ("eager", "cpp"):
+        llm = _llm(path, "float32", graph_mode=mode)
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        reqs = [Request(RequestOutput(p), params, Sampler(params)) for p in (PROMPT, PROMPT[:5])]
+        llm._step(reqs, [PROMPT, PROMPT[:5]])
+        results.append([llm._step([reqs[i] for i in who], [[11 + 7 * k + i] for i in who])
+                        for k, who in enumerate(plan)])
+        for r in reqs:
+            llm.cache.release(r.seq)
+    for eager, got in zip(*results):
+        assert rel_err(got, eager) < 1e-5

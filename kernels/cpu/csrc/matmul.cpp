@@ -158,19 +158,39 @@ Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padd
   return a;
 }
 
-PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W) {
+// How a buffer starts: uninitialized (every element written), zeroed when allocated (every call
+// writes the same elements, the rest stays zero: the padding past K), or zeroed on every call.
+enum Init { kUninit, kZeroOnce, kZeroEach };
+
+// Buffer `idx` of a prepared activation: fresh without a pool, else the pool's when its shape, dtype
+// and K match (K: the padding past it must be the zeros it was allocated with).
+static at::Tensor act_buf(ActPool* pool, int idx, int64_t K, at::IntArrayRef sizes, at::ScalarType dt, Init init) {
+  auto fresh = [&] { return init == kUninit ? at::empty(sizes, dt) : at::zeros(sizes, dt); };
+  if (pool == nullptr) return fresh();
+  at::Tensor& t = pool->t[idx];
+  if (!t.defined() || t.scalar_type() != dt || t.sizes() != sizes || pool->k[idx] != K) {
+    t = fresh();
+    pool->k[idx] = K;
+  } else if (init == kZeroEach) {
+    std::memset(t.data_ptr(), 0, t.nbytes());
+  }
+  return t;
+}
+
+PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W,
+                                ActPool* pool) {
   PreparedAct p;
   const int64_t kp = padded_k(W);
   if (W.fmt == kInt8) {
-    p.xq = at::zeros({M, kp}, at::kShort);
-    p.xs = at::empty({M}, at::kFloat);
+    p.xq = act_buf(pool, 0, K, {M, kp}, at::kShort, kZeroOnce);
+    p.xs = act_buf(pool, 1, K, {M}, at::kFloat, kUninit);
     int16_t* q = p.xq.data_ptr<int16_t>();
     float* s = p.xs.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) quantize_row(src + m * ld, K, q + m * kp, s + m);
     });
     if (W.dot == kDotVnni || W.dot == kDotVnniModel) {  // the VNNI kernels' unsigned form: q + 128
-      p.xu = at::zeros({M, kp}, at::kByte);
+      p.xu = act_buf(pool, 2, K, {M, kp}, at::kByte, kZeroOnce);
       uint8_t* u = p.xu.data_ptr<uint8_t>();
       at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
         for (int64_t m = b; m < e; ++m)
@@ -179,13 +199,13 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     }
     return p;
   }
-  p.xf = at::zeros({M, kp}, at::kFloat);
+  p.xf = act_buf(pool, 3, K, {M, kp}, at::kFloat, kZeroOnce);
   float* d = p.xf.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) std::memcpy(d + m * kp, src + m * ld, K * sizeof(float));
   });
   if (W.fmt == kFp8 && W.fp8_widen) {  // the widen microkernel's order, × 2^60
-    p.xp = at::empty({M, kp}, at::kFloat);
+    p.xp = act_buf(pool, 4, K, {M, kp}, at::kFloat, kUninit);
     float* o = p.xp.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
@@ -196,7 +216,7 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     });
   }
   if (W.dot == kDotBf16 || W.dot == kDotBf16Model) {  // bf16 rows (round to nearest even); FP8: × 2^60, permuted
-    p.xh = at::zeros({M, kp}, at::kBFloat16);
+    p.xh = act_buf(pool, 5, K, {M, kp}, at::kBFloat16, kZeroOnce);
     uint16_t* h = reinterpret_cast<uint16_t*>(p.xh.data_ptr<at::BFloat16>());
     const bool fp8 = W.fmt == kFp8;
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
@@ -219,9 +239,9 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
   }
   if (W.fmt == kInt4 && W.int4_i8) {  // int8 per (token, group), micro_int4b's order, group sums
     const int64_t G = kp / W.group;
-    p.xb = at::zeros({M, kp}, at::kChar);
-    p.xbs = at::empty({M, G}, at::kFloat);
-    p.gsb = at::empty({M, G}, at::kFloat);
+    p.xb = act_buf(pool, 6, K, {M, kp}, at::kChar, kZeroOnce);
+    p.xbs = act_buf(pool, 7, K, {M, G}, at::kFloat, kUninit);
+    p.gsb = act_buf(pool, 8, K, {M, G}, at::kFloat, kUninit);
     int8_t* q = p.xb.data_ptr<int8_t>();
     float *sc = p.xbs.data_ptr<float>(), *gs = p.gsb.data_ptr<float>();
     at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
@@ -244,9 +264,9 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     });
   }
   if (W.fmt == kInt4 && W.int4_int) {  // int16 activations (±32767) in the kernel's order, int group sums
-    p.xq = at::zeros({M, kp}, at::kShort);
-    p.xs = at::empty({M}, at::kFloat);
-    p.gsumq = at::zeros({M, kp / W.group}, at::kFloat);
+    p.xq = act_buf(pool, 0, K, {M, kp}, at::kShort, kZeroOnce);
+    p.xs = act_buf(pool, 1, K, {M}, at::kFloat, kUninit);
+    p.gsumq = act_buf(pool, 9, K, {M, kp / W.group}, at::kFloat, kZeroEach);
     int16_t* q = p.xq.data_ptr<int16_t>();
     float *s = p.xs.data_ptr<float>(), *gq = p.gsumq.data_ptr<float>();
     const int64_t G = kp / W.group;
@@ -267,7 +287,7 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
   }
   if (W.fmt == kInt4) {
     const int64_t G = kp / W.group;
-    p.gsum = at::zeros({M, G}, at::kFloat);
+    p.gsum = act_buf(pool, 10, K, {M, G}, at::kFloat, kUninit);
     float* gs = p.gsum.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) {

@@ -59,8 +59,16 @@ struct PreparedAct {
   at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb, xu, xh;
   Act view() const;
 };
+// A call site's reusable activation buffers (the decode runner keeps one per knob slot): a buffer is
+// reallocated only when its shape, dtype or K changes, so a decode step allocates none.
+struct ActPool {
+  static constexpr int kBufs = 11;
+  at::Tensor t[kBufs];
+  int64_t k[kBufs] = {};
+};
 PreparedAct prepare_act(const at::Tensor& x, const WeightView& W);
-PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W);
+PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t ld, const WeightView& W,
+                                ActPool* pool = nullptr);
 
 // out[m, n] for rows [0, N) of W with M activation rows tok[0..M) (direct microkernel path),
 // parallel over row tiles of block_n. out: float32 with row stride ldo.

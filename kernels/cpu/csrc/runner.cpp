@@ -219,7 +219,7 @@ class DecodeRunner {
     run_layers(ids, positions, cache, tables, lens, slots, key);
     const int64_t T = ids.numel(), L = (int64_t)layers_.size();
     at::Tensor out = at::empty({T, lm_head_.N}, at::kFloat);
-    linear(lm_head_, h_.data(), T, out.data_ptr<float>(), knobs_.at(key)[L][0], bf_, pLmHead, L, 0);
+    linear(lm_head_, h_.data(), T, out.data_ptr<float>(), knobs_.at(key)[L][0], bf_, pLmHead, L, 0, &head_pool_);
     round_all(out.data_ptr<float>(), T * lm_head_.N);
     if (timing) total_s_ = std::chrono::duration<double>(Clock::now() - t_start).count();
     return out;
@@ -388,6 +388,8 @@ class DecodeRunner {
   float rope_factor_ = 1.f;
   std::vector<float> cos_, sin_, residual_, h_, a_, m_, qa_, q_, kv_, rows_, qcat_, oin_, logits_, sh_, act_, g_;
   std::vector<float> k_, v_, gate_;
+  std::vector<int64_t> tok_;
+  ActPool pools_[kSlots], head_pool_;  // the activation buffers of each knob slot's linears, and lm_head's
   const at::Tensor none_ = at::empty({0}, at::kFloat), no_slots_ = at::empty({0}, at::kLong);
   std::vector<int64_t> ids_;
   std::vector<int64_t> ids_in_, pos_in_, slots_in_;  // step_logits' inputs as the tensor path takes them
@@ -406,15 +408,16 @@ class DecodeRunner {
   bool serial(int64_t bytes) const { return bytes < serial_below_; }
 
   // out [M, N] float32 = x [M, K] · Wᵀ, as moetune::linear (the same paths and knobs) on float rows.
+  // The activations go through the slot's buffers (pool: lm_head's own), allocated once.
   void linear(const Lin& L, const float* x, int64_t M, float* out, const Knobs& kn, bool act_bf16, int part,
-              int64_t layer, int64_t slot) {
+              int64_t layer, int64_t slot, ActPool* pool = nullptr) {
     const auto t0 = tic();
     SerialScope one(serial(L.bytes()));
     reset_used();
     WeightView W = make_weight(L.fmt, L.w, L.N, L.K, L.scale, L.zero, L.group, L.block_n, kn, act_bf16).base;
     const bool gemm = M >= gemm_from(W.fmt, kn, act_bf16);
     if (gemm) W.no_micro_forms();
-    PreparedAct p = prepare_act_f32rows(x, M, L.K, L.K, W);
+    PreparedAct p = prepare_act_f32rows(x, M, L.K, L.K, W, pool ? pool : &pools_[slot]);
     if (gemm) {
       at::Tensor in = (p.xq.defined() && !p.xf.defined()) ? p.xq.narrow(1, 0, L.K).to(at::kFloat) : p.xf.narrow(1, 0, L.K);
       at::Tensor o = gemm_unpacked(in, W, kn);
@@ -423,9 +426,9 @@ class DecodeRunner {
       std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
     } else {
       note_dot(W.dot);
-      std::vector<int64_t> tok(M);
-      for (int64_t m = 0; m < M; ++m) tok[m] = m;
-      gemv_rows(W, p.view(), tok.data(), M, out, L.N, kn, true);
+      tok_.resize(M);
+      for (int64_t m = 0; m < M; ++m) tok_[m] = m;
+      gemv_rows(W, p.view(), tok_.data(), M, out, L.N, kn, true);
     }
     note("linear", L.fmt, M, layer, slot);
     toc(part, t0);
