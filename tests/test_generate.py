@@ -190,3 +190,22 @@ def test_logits_errors(llm, prompt, word):
     with pytest.raises(MoetuneError, match=re.escape(word)):
         llm.logits(prompt)
     assert_cache_empty(llm)
+
+
+@pytest.mark.parametrize("row", [
+    [1.0, 3.0, 3.0, 2.0],                            # a tie: the first largest
+    [1.0, 3.0, float("nan"), 3.0, float("nan")],     # a NaN counts as largest: the first NaN
+    [float("-inf")] * 5,                             # nothing finite: index 0
+    [float("inf"), 1.0, float("inf")],
+    [-2.0],
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_picks_as_torch_argmax(row, dtype):
+    from engine.sampling import greedy
+
+    x = torch.tensor(row, dtype=dtype)
+    assert greedy(x) == int(x.argmax())
+    big = torch.randn(129280, generator=torch.Generator().manual_seed(len(row))).to(dtype)
+    big[7], big[90000] = 50.0, 50.0  # the largest twice: the first wins
+    assert greedy(big) == int(big.argmax()) == 7
+    assert greedy(big[1:][::2]) == int(big[1:][::2].argmax())  # a strided view

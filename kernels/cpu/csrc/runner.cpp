@@ -82,6 +82,27 @@ struct Layer {
 
 inline float rnd(float v, bool bf) { return bf ? (float)c10::BFloat16(v) : v; }
 
+// 16 lanes rounded to bfloat16 exactly as c10::BFloat16(float): round to nearest even on the bits,
+// a NaN becomes the quiet NaN 0x7FC0.
+inline __m512 rnd16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32((int)0xFFFF0000u));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+// out[k] = rnd(f(a[k], b[k])) over n elements, 16 at a time (masked tail); f on vectors.
+template <class F>
+inline void map2(const float* a, const float* b, float* out, int64_t n, bool bf, F f) {
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 m = tail_mask16(n - k);
+    __m512 v = f(_mm512_maskz_loadu_ps(m, a + k), b ? _mm512_maskz_loadu_ps(m, b + k) : _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(out + k, m, bf ? rnd16(v) : v);
+  }
+}
+
 // As small_ops.cpp's rms_norm on one row: out = w · (x / rms(x)), rounded like the reference.
 void norm_row(const float* x, const float* w, float* out, int64_t D, float eps, bool bf) {
   __m512 acc = _mm512_setzero_ps();
@@ -90,7 +111,11 @@ void norm_row(const float* x, const float* w, float* out, int64_t D, float eps, 
   float ss = hsum(acc);
   for (; k < D; ++k) ss += x[k] * x[k];
   const float inv = 1.f / std::sqrt(ss / (float)D + eps);
-  for (k = 0; k < D; ++k) out[k] = rnd(w[k] * rnd(x[k] * inv, bf), bf);
+  const __m512 vi = _mm512_set1_ps(inv);
+  map2(x, w, out, D, bf, [&](__m512 xv, __m512 wv) {
+    const __m512 n = _mm512_mul_ps(xv, vi);
+    return _mm512_mul_ps(wv, bf ? rnd16(n) : n);
+  });
 }
 
 // As small_ops.cpp's rope on one head row: x [P] (pairs interleaved or halves) → out [P] de-interleaved.
@@ -435,7 +460,7 @@ class DecodeRunner {
   }
 
   void round_all(float* p, int64_t n) const {
-    if (bf_) for (int64_t i = 0; i < n; ++i) p[i] = rnd(p[i], true);
+    if (bf_) map2(p, nullptr, p, n, true, [](__m512 v, __m512) { return v; });
   }
 
   // residual += x (in the model dtype), h = norm(residual) · w
@@ -444,7 +469,7 @@ class DecodeRunner {
     const float* wp = w.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* r = residual_.data() + t * D_;
-      for (int64_t k = 0; k < D_; ++k) r[k] = rnd(r[k] + x[t * D_ + k], bf_);
+      map2(r, x + t * D_, r, D_, bf_, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
       norm_row(r, wp, h_.data() + t * D_, D_, eps_, bf_);
     }
     toc(pNorms, t0);
@@ -545,7 +570,7 @@ class DecodeRunner {
     const float* bp = b.data_ptr<float>();
     const int64_t n = b.numel();
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < n; ++j) x[t * n + j] = rnd(x[t * n + j] + bp[j], bf_);
+      map2(x + t * n, bp, x + t * n, n, bf_, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
   }
 
   // GQA (engine/models/gqa.py): q/k/v projections (+ biases, + per-head RMSNorm), RoPE on q and k, the
@@ -731,10 +756,11 @@ class DecodeRunner {
         linear(L.sh_gate, h_.data(), T, gate_.data(), kn[kShGate], false, pShared, i, kShGate);
         for (int64_t t = 0; t < T; ++t) {
           const float g = 1.f / (1.f + std::exp(-gate_[t]));
-          for (int64_t k = 0; k < D_; ++k) sh_[t * D_ + k] = rnd(sh_[t * D_ + k] * g, bf_);
+          const __m512 gv = _mm512_set1_ps(g);
+          map2(sh_.data() + t * D_, nullptr, sh_.data() + t * D_, D_, bf_, [&](__m512 a, __m512) { return _mm512_mul_ps(a, gv); });
         }
       }
-      for (int64_t k = 0; k < T * D_; ++k) m_[k] = rnd(m_[k] + sh_[k], bf_);
+      map2(m_.data(), sh_.data(), m_.data(), T * D_, bf_, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
     }
   }
 };
