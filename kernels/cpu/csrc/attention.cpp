@@ -319,13 +319,21 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
   }
 }
 
-// Qt[(r / 16) * Dk * 16 + d * 16 + r % 16] = q_r[d] · scale; lanes past `rows` are zero.
+// Qt[(r / 16) * Dk * 16 + d * 16 + r % 16] = q_r[d] · scale; lanes past `rows` are zero. 16 rows ×
+// 16 dims at a time through the in-register transpose.
 inline void pack_queries(const float* const* q, int rows, int64_t Dk, float scale, float* Qt) {
-  const int groups = (rows + kGroup - 1) / kGroup;
-  std::fill(Qt, Qt + groups * Dk * kGroup, 0.f);
-  for (int r = 0; r < rows; ++r) {
-    float* dst = Qt + (r / kGroup) * Dk * kGroup + r % kGroup;
-    for (int64_t d = 0; d < Dk; ++d) dst[d * kGroup] = q[r][d] * scale;
+  const __m512 sv = _mm512_set1_ps(scale);
+  __m512 r[16], o[16];
+  for (int g0 = 0; g0 < rows; g0 += kGroup) {
+    float* dst = Qt + (g0 / kGroup) * Dk * kGroup;
+    for (int64_t d0 = 0; d0 < Dk; d0 += 16) {
+      const __mmask16 m = tail_mask16(Dk - d0);
+      for (int j = 0; j < 16; ++j)
+        r[j] = g0 + j < rows ? _mm512_mul_ps(_mm512_maskz_loadu_ps(m, q[g0 + j] + d0), sv) : _mm512_setzero_ps();
+      transpose16(r, o);
+      const int64_t dn = std::min<int64_t>(16, Dk - d0);
+      for (int64_t d = 0; d < dn; ++d) _mm512_storeu_ps(dst + (d0 + d) * kGroup, o[d]);
+    }
   }
 }
 
@@ -365,15 +373,26 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   Scratch::grow(part_buf, B * H * S * Dv);
   float* const part_acc = part_buf.data();
   std::vector<float> part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
+  // The packed queries of every (sequence, KV head, head block), once: the splits of one share them.
+  const int64_t qsize = (hf + kGroup - 1) / kGroup * kGroup * Dk, nq = B * Hkv * nhb;
+  static thread_local std::vector<float> q_buf;
+  Scratch::grow(q_buf, nq * qsize);
+  float* const qpacked = q_buf.data();
 #pragma omp parallel
   {
     const bool blas = hf >= kn.attn_blas_rows;
     const int64_t kvb = blas ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;  // keys per block, for the path taken
     Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas);
-    std::vector<float> Qt((hf + kGroup - 1) / kGroup * kGroup * Dk);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
     std::vector<float> m(hf), l(hf);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t hb = i % nhb, kvh = (i / nhb) % Hkv, b = i / (nhb * Hkv), h0 = kvh * Hg + hb * hf;
+      const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
+      for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk;
+      pack_queries(qrow.data(), rows, Dk, scale, qpacked + i * qsize);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hkv, b = t / (S * nhb * Hkv);
@@ -384,13 +403,13 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
       const int64_t base = (b * H + h0) * S + s;  // partial index of (b, h0, s); heads step by S
       if (k1 <= k0) continue;
-      for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk, lim[r] = len;
-      pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
+      for (int r = 0; r < rows; ++r) lim[r] = len;
+      const float* Qt = qpacked + ((b * Hkv + kvh) * nhb + hb) * qsize;
       std::fill(m.begin(), m.begin() + rows, kNegInf);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
-      attend<DT>(Qt.data(), rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),
+      attend<DT>(Qt, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),
                  l.data(), A, S * Dv);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
