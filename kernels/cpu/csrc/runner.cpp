@@ -75,7 +75,7 @@ struct Layer {
   Lin q, k, v, sh_gate;                                              // GQA projections; Qwen2-MoE's shared gate
   at::Tensor attn_norm, q_a_norm, kv_a_norm, ffn_norm, next_norm;    // float32, values of the model dtype
   at::Tensor q_norm, k_norm, q_bias, k_bias, v_bias;                 // GQA: per-head norms [d], biases (or undefined)
-  at::Tensor w_uk, w_uv;                                             // MLA: [H, R, N], [H, V, R] in the model dtype
+  at::Tensor w_uk, w_uv;                                             // MLA: W_UKᵀ [H, N, R], W_UVᵀ [H, R, V], model dtype
   at::Tensor bias;                                                   // router correction bias float32, or undefined
   bool moe = false;
 };
@@ -185,8 +185,9 @@ class DecodeRunner {
     L.q_norm = norm("q_norm"), L.k_norm = norm("k_norm");
     L.q_bias = norm("q_bias"), L.k_bias = norm("k_bias"), L.v_bias = norm("v_bias");  // values of the model dtype
     if (!gqa_) {
-      L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, R, N]
-      L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).contiguous();  // [H, V, R]
+      // stored transposed, [H, inputs, outputs]: head_linear streams them with the outputs in the lanes
+      L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).transpose(1, 2).contiguous();
+      L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).transpose(1, 2).contiguous();
     }
     if (ten.contains("bias") && !ten["bias"].is_none()) L.bias = ten["bias"].cast<at::Tensor>().to(at::kFloat).contiguous();
     L.moe = moe;
@@ -476,30 +477,45 @@ class DecodeRunner {
   }
 
   // out [T, H, B] = per head w[h] · x[t, h] (kernels/reference.head_linear): x rows of A floats per head at
-  // stride hs, w [H, B, A] in the model dtype (converted in registers), float32 sums, rounded to the model
-  // dtype, written at out + (t * H + h) * ldo. Heads in parallel when w is large enough.
-  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& w, float* out, int64_t ldo) {
+  // stride hs; wt [H, A, B] the weight transposed at load, in the model dtype (converted in registers);
+  // float32 sums, rounded to the model dtype, written at out + (t * H + h) * ldo. Per input a, 16 × kAcc
+  // outputs take one broadcast of x[a] each: the weight is one stream, no horizontal sums. Heads in
+  // parallel when wt is large enough.
+  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& wt, float* out, int64_t ldo) {
     const auto t0 = tic();
-    const int64_t B = w.size(1), H = H_;
-    const bool wbf = w.scalar_type() == at::kBFloat16;
-    const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+    constexpr int kAcc = 16;
+    const int64_t B = wt.size(2), H = H_;
+    const bool wbf = wt.scalar_type() == at::kBFloat16;
+    const uint8_t* wp = static_cast<const uint8_t*>(wt.data_ptr());
     const int64_t esz = wbf ? 2 : 4;
-    const bool par = !serial((int64_t)w.nbytes()) && omp_get_max_threads() > 1;
+    const bool par = !serial((int64_t)wt.nbytes()) && omp_get_max_threads() > 1;
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t b = 0; b < B; ++b) {
-        const uint8_t* row = wp + ((h * B + b) * A) * esz;
-        for (int64_t t = 0; t < T; ++t) {
-          const float* xr = x + (t * H + h) * hs;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t a = 0; a < A; a += 16) {
-            const __mmask16 m = tail_mask16(A - a);
-            const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t*)row + a)), 16))
-                                  : _mm512_maskz_loadu_ps(m, (const float*)row + a);
-            acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, xr + a), acc);
+      const uint8_t* wh = wp + h * A * B * esz;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xr = x + (t * H + h) * hs;
+        float* o = out + (t * H + h) * ldo;
+        for (int64_t b0 = 0; b0 < B; b0 += 16 * kAcc) {
+          const int nv = (int)std::min<int64_t>(kAcc, (B - b0 + 15) / 16);
+          __m512 acc[kAcc];
+          for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t a = 0; a < A; ++a) {
+            const __m512 xa = _mm512_set1_ps(xr[a]);
+            const uint8_t* row = wh + (a * B + b0) * esz;
+#pragma GCC unroll 16
+            for (int i = 0; i < kAcc; ++i) {
+              if (i >= nv) break;
+              const __mmask16 m = tail_mask16(B - b0 - 16 * i);
+              const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                          _mm256_maskz_loadu_epi16(m, (const uint16_t*)row + 16 * i)), 16))
+                                    : _mm512_maskz_loadu_ps(m, (const float*)row + 16 * i);
+              acc[i] = _mm512_fmadd_ps(wv, xa, acc[i]);
+            }
           }
-          out[(t * H + h) * ldo + b] = rnd(hsum(acc), bf_);
+          for (int i = 0; i < nv; ++i) {
+            const __mmask16 m = tail_mask16(B - b0 - 16 * i);
+            _mm512_mask_storeu_ps(o + b0 + 16 * i, m, bf_ ? rnd16(acc[i]) : acc[i]);
+          }
         }
       }
     }
