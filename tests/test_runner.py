@@ -9,6 +9,8 @@
   the same points; they differ only in summation order (head_linear, the GEMM path's activation
   conversion) and in exp / cos / sin implementations (routing, SiLU, rotary angles), which a bf16
   rounding can turn into one unit in the last place of an activation.
+- INT4 at batch 34: the runner's INT4 linears take the VNNI INT4 GEMM (cpu_int4_gemm) as the eager
+  path's do; float32 within 1e-5.
 - The serial threshold (cpu_serial_below_bytes) changes no result bit.
 - A kernel-table value and a command-line knob reach the runner's calls (kernels.cpu.recording()).
 - Where the runner does not apply (prefill, batch_invariant, the reference backend, mla_absorb=never)

@@ -336,8 +336,9 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
 // ------------------------------------------------------------------ INT4 GEMM on vpdpbusd
 //
 // INT4 group weights (unsigned nibbles q, per (row, group) scale s and zero point z: w = s·(q − z))
-// against activations quantized to int8 per (token, group) exactly as the int8 INT4 microkernel
-// method (prepare_act's xb: scale xs = amax/127 of the group, x_q = round(x / xs) ∈ [−127, 127]):
+// against activations quantized to int8 per (token, group) with the int8 INT4 microkernel method's
+// scale (prepare_act's xb: xs = amax/127 of the group) and the reference's rounding (x_q = round(x / xs)
+// half to even, ∈ [−127, 127]; prepare_act multiplies by 1/xs, which can differ by one in a tie):
 //   y[m, n] = Σ_g s[n, g] · xs[m, g] · (Σ_{k∈g} q[n, k]·x_q[m, k] − z[n, g] · Σ_{k∈g} x_q[m, k]).
 // The nibbles are the unsigned operand of vpdpbusd and x_q the signed one, so no +128 term. Per
 // 32-column block of W, packed once per call: the nibbles expanded to bytes in a scratch [32][kbytes]
