@@ -21,7 +21,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "experts × tiles", low=8, high=512, log=True, pow2=True),
     Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert): from this many, the GEMM path (per "
-         "cpu_bf16_gemm / cpu_int8_gemm: weight blocks unpacked to float32 for BLAS, oneDNN, the "
+         "cpu_bf16_gemm / cpu_int8_gemm / cpu_int4_gemm: weight blocks unpacked to float32 for BLAS, oneDNN, the "
          "VNNI / AVX512-BF16 dot-product GEMM, or AMX from cpu_amx_min_tokens) instead of the register "
          "microkernel", low=1, high=4096, log=True),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
@@ -71,6 +71,12 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "or our tile GEMM on vpdpbusd (vnni; exact integer sums; needs AVX512-VNNI, else unpack). auto: "
          "vnni where the CPU has AVX512-VNNI and no AMX (1.9-3.0x unpack at 512 tokens where measured), "
          "else unpack", choices=("auto", "unpack", "vnni")),
+    Knob("cpu_int4_gemm", str, "auto", "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert) with INT4 weights on the GEMM path (from "
+         "cpu_gemm_min_tokens rows): weight unpack to float32 + BLAS on float activations (unpack), or our "
+         "GEMM on vpdpbusd, nibbles × activations quantized to int8 per (token, scale group) as the int8 "
+         "INT4 method (vnni; ~0.6 % activation error on random rows; needs AVX512-VNNI, else unpack). "
+         "auto: vnni where the CPU has AVX512-VNNI, else unpack", choices=("auto", "unpack", "vnni")),
     Knob("cpu_huge_pages", bool, False, "kernels/cpu",
          "CPU kernels: copy each weight of ≥ 2 MiB at load into 2 MiB-aligned memory advised for "
          "transparent huge pages (fewer TLB misses while streaming experts from DRAM; measured both "
@@ -114,7 +120,8 @@ PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
-                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"}}
+                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"},
+                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
 # the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)
 MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")

@@ -12,6 +12,10 @@ Bounds (‖got − ref‖ / ‖ref‖ on the same quantized weights, as tests/te
   rounded to bf16: 1e-2 against the float reference (measured 1.5e-3 to 1.8e-3), and 2e-5 against
   the reference fed the rounded activations (what is left is float32 summation order). The native
   instruction equals its model bitwise (same order of the two products per lane, same denormal rules).
+- INT4 prefill on the VNNI INT4 GEMM (cpu_int4_gemm=vnni, amx.cpp gemm_int4): activations rounded to
+  int8 per (token, group) as the int8 INT4 method; equal to the reference fed those activations
+  within 2e-5 (exact integer sums, float32 order), so within that method's 1.5e-2 of the float
+  reference (fused MoE 3e-2); native and model bitwise equal.
 Native paths are skipped, naming the feature, where cpuid does not report it.
 """
 import itertools
@@ -29,8 +33,8 @@ if missing_isa():
 
 import kernels.cpu as cpu  # noqa: E402
 from kernels.knobspec import Knob  # noqa: E402
-from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, LINEAR_SHAPES, MOE_CASES, TIGHT, bf16_bound, check,  # noqa: E402
-                              make_weight, moe_weights, routing, tight)
+from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, INT4_INT8, INT4_INT8_MOE, LINEAR_SHAPES, MOE_CASES, TIGHT,  # noqa: E402
+                              bf16_bound, check, make_weight, moe_weights, quantize_act_int8_groups, routing, tight)
 
 HAS = cpu.detected_features()
 MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
@@ -187,6 +191,13 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                            "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
+            for int4_gemm in ("auto", "unpack", "vnni"):  # INT4's GEMM path
+                with cpu.recording() as rec:
+                    cpu.linear(torch.randn(40, 256, generator=g), weights["int4_g128"],
+                               knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32})
+                used = set(rec[0]["isa"].split("+"))
+                assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
+                assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {"blas"})
     assert cpu.features() == HAS  # the mask is restored
 
 
@@ -222,6 +233,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
+        assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack")
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
@@ -238,7 +250,8 @@ def test_dot_instructions_appear_only_in_dispatched_functions():
             where.setdefault(fn, 0)
             where[fn] += 1
     assert where, "no dot-product instruction at all: the variants were not compiled"
-    allowed = ("dot_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "vnni_int8_gops", "bf16_dot_gflops", "AmxHw", "amx_peak_gops")
+    allowed = ("dot_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "int4_block_hw", "vnni_int8_gops", "bf16_dot_gflops",
+               "AmxHw", "amx_peak_gops")
     stray = [f for f in where if not any(a in f for a in allowed)]
     assert not stray, stray
     assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)
@@ -517,6 +530,111 @@ def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
         got = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=knobs)
     assert "model" in rec[0]["isa"]
     check(got, reference.fused_moe(xm, w13, w2, tw, ids), TIGHT if fmt == "int8" else BF16_LINEAR, f"{fmt} moe tiles")
+
+
+# ------------------------------------------------------------------ INT4 prefill: the VNNI INT4 GEMM
+
+# (M, N, K, group): M below / at / above the kernel's 8-row block and a multi-block odd one; N under 16,
+# not a multiple of 16 or 32, several 32-column blocks; K one group, whole groups, a partial last group
+INT4_GEMM_SHAPES = {
+    "m1_one_group": (1, 5, 32, 32), "m7_n17": (7, 17, 128, 128), "m8_n16_k64": (8, 16, 64, 64),
+    "m9_n33_partial_group": (9, 33, 100, 64), "odd": (37, 130, 1000, 128), "regular": (64, 256, 512, 128),
+    "g32_long": (19, 70, 2048, 32), "n1_k_tail": (3, 1, 200, 128),
+}
+INT4_GEMM = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 1, "cpu_amx_min_tokens": 4096}
+
+
+@pytest.mark.parametrize("shape", sorted(INT4_GEMM_SHAPES))
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_gemm_matches_the_reference_on_its_quantized_activations(shape, symmetric):
+    """cpu_int4_gemm=vnni (amx.cpp gemm_int4) on the C++ model of vpdpbusd everywhere and natively where
+    present: equal to the reference fed the activations rounded per (token, group) to int8 within 2e-5
+    (the integer sums are exact; what is left is float32 order), and so to the float reference within
+    the int8 INT4 method's 1.5e-2 (that rounding: ~0.5/127 of the group's max per element); native and
+    model bitwise equal."""
+    m, n, k, group = INT4_GEMM_SHAPES[shape]
+    g = torch.Generator().manual_seed(m * n + k)
+    w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, group, symmetric=symmetric)
+    x = torch.randn(m, k, generator=g)
+    model, used = run_linear(x, w, INT4_GEMM, emulate=["avx512_vnni"])
+    assert used == "vnni-model"
+    check(model, reference.linear(quantize_act_int8_groups(x, group), w), TIGHT, f"int4 gemm {shape}, exact part")
+    check(model, reference.linear(x, w), INT4_INT8, f"int4 gemm {shape} vs float activations")
+    if "avx512_vnni" in HAS:
+        native, used = run_linear(x, w, INT4_GEMM)
+        assert used == "vnni" and torch.equal(native, model), shape
+    xb = x.bfloat16()  # bf16 activations: the same GEMM on their float32 values
+    got, _ = run_linear(xb, w, INT4_GEMM, emulate=["avx512_vnni"])
+    check(got, reference.linear(xb, w), max(BF16_LINEAR, INT4_INT8), f"int4 gemm {shape} bf16 activations")
+
+
+@needs("avx512_vnni")
+def test_native_int4_gemm_activation_range():
+    """Large, tiny and all-zero activation groups: the per-group scale follows them (a zero group is
+    scale 1, sums 0), so the relative error stays the int8 rounding's."""
+    g = torch.Generator().manual_seed(3)
+    w = formats.quantize_int4_group(torch.randn(40, 512, generator=g) * 0.05, 128, symmetric=False)
+    x = torch.randn(9, 512, generator=g)
+    x[0] *= 1e6
+    x[1] *= 1e-12
+    x[2, 128:256] = 0
+    x[3] = 0
+    got, used = run_linear(x, w, INT4_GEMM)
+    assert used == "vnni" and torch.equal(got[3], torch.zeros(40))
+    ref = reference.linear(quantize_act_int8_groups(x, 128), w)
+    for r in (0, 1, 2):
+        check(got[r:r + 1], ref[r:r + 1], TIGHT, f"row {r}")
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32", "int4_g64_asym", "int4_g128"])
+@pytest.mark.parametrize("case", ["all_on_one", "odd_t37"])
+def test_int4_gemm_in_fused_moe(fmt, case):
+    """Experts at or above cpu_gemm_min_tokens (here 4: most of odd_t37's, all of all_on_one's 37) take
+    the INT4 GEMM, the rest the microkernels: within the int8 INT4 method's fused-MoE bound (3e-2; the
+    down projection's input is quantized too); native = model bitwise."""
+    t, e, d, i, k, pool = MOE_CASES[case]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
+    knobs = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 4}
+    with cpu.emulate(["avx512_vnni"]), cpu.recording() as rec:
+        model = cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs)
+    assert "vnni-model" in rec[0]["isa"].split("+"), rec[0]["isa"]
+    ref = reference.fused_moe(x, w13, w2, tw, ids)
+    check(model, ref, INT4_INT8_MOE, f"int4 gemm moe {fmt} {case}")
+    with cpu.recording() as rec:
+        unpacked = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**knobs, "cpu_int4_gemm": "unpack"})
+    assert "blas" in rec[0]["isa"].split("+")  # (the small experts' microkernels: their own variant)
+    check(unpacked, ref, tight(fmt, op="fused_moe"), f"int4 unpack moe {fmt} {case}")
+    if "avx512_vnni" in HAS:
+        with cpu.recording() as rec:
+            native = cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs)
+        assert "vnni" in rec[0]["isa"].split("+") and torch.equal(native, model)
+
+
+def test_int4_gemm_knob_and_feature_mask():
+    """auto takes the INT4 GEMM where the CPU has VNNI; unpack forces unpack + BLAS (float activations:
+    the tight bound); a feature mask without VNNI never runs it (auto and vnni fall back to unpack);
+    below cpu_gemm_min_tokens the knob is inert (the microkernels)."""
+    g = torch.Generator().manual_seed(11)
+    w = make_weight(torch.randn(70, 256, generator=g) * 0.05, "int4_g64_asym")
+    x = torch.randn(40, 256, generator=g)
+    base = {"cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    ref = reference.linear(x, w)
+    vnni = "avx512_vnni" in HAS
+    got, used = run_linear(x, w, {**base, "cpu_int4_gemm": "auto"})
+    assert used == ("vnni" if vnni else "blas")
+    unpacked, used = run_linear(x, w, {**base, "cpu_int4_gemm": "unpack"})
+    assert used == "blas"
+    check(unpacked, ref, TIGHT, "int4 unpack")
+    check(got, ref, INT4_INT8 if vnni else TIGHT, "int4 auto")
+    with cpu.feature_mask(set()):
+        assert cpu.isa_variants()["cpu_int4_gemm"]["vnni"] == "unavailable"
+        for value in ("auto", "vnni", "unpack"):
+            masked, used = run_linear(x, w, {**base, "cpu_int4_gemm": value})
+            assert used == "blas" and torch.equal(masked, unpacked), value
+        assert run_linear(x, w, {**base, "cpu_int4_gemm": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
+    assert run_linear(x[:5], w, {**base, "cpu_int4_gemm": "vnni"})[1] != "blas"  # 5 rows: microkernels
 
 
 # ------------------------------------------------------------------ the probe's readers and peaks

@@ -13,7 +13,9 @@ Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
   128, as llama.cpp's Q4 × Q8): 1.5e-2 (int8 steps of each group's max / 127, measured 5.9e-3 to
   6.8e-3; fused MoE 3e-2, its down projection's input being quantized too, and SiLU·up's
   outliers widening the groups' steps: measured up to 1.7e-2); and that method equals the
-  reference fed its quantized activations within 2e-5;
+  reference fed its quantized activations within 2e-5; the same 1.5e-2 / 3e-2 for every INT4 group
+  size on the GEMM path (from cpu_gemm_min_tokens rows) where cpu_int4_gemm takes the VNNI INT4 GEMM
+  (auto where the CPU has AVX512-VNNI; tests/test_isa.py), which quantizes the activations the same way;
 - bfloat16 activations: 1e-2 for linear (both round the output to bf16), 2e-2 for fused MoE (the
   reference also rounds the gate/up output to bf16 before SiLU, the kernel keeps float32); the
   INT4 int8 method's 1.5e-2 where larger;
@@ -40,23 +42,31 @@ from engine.knobs import CATALOGUE  # noqa: E402
 TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2, 2e-2, 1e-4, 1.5e-2, 3e-2
 
 
-def tight(fmt: str, knobs: dict | None = None, op: str = "linear") -> float:
-    """The float32-activation bound of a format for an op (see the module docstring)."""
+def int4_gemm_vnni(fmt: str, knobs: dict | None, tokens: int | None) -> bool:
+    """Whether an INT4 call with `tokens` rows (an upper bound on any expert's) may take the VNNI INT4
+    GEMM here (cpu_int4_gemm auto / vnni, from cpu_gemm_min_tokens rows): int8 activations per group."""
+    k = {**cpu.KNOB_DEFAULTS, **(knobs or {})}
+    return (fmt.startswith("int4") and tokens is not None and tokens >= k["cpu_gemm_min_tokens"]
+            and k["cpu_int4_gemm"] != "unpack" and cpu.isa_variants()["cpu_int4_gemm"]["vnni"] != "unavailable")
+
+
+def tight(fmt: str, knobs: dict | None = None, op: str = "linear", tokens: int | None = None) -> float:
+    """The float32-activation bound of a format for an op of `tokens` rows (see the module docstring)."""
     method = (knobs or {}).get("cpu_int4_method", cpu.KNOB_DEFAULTS["cpu_int4_method"])
     bf16_isa = (knobs or {}).get("cpu_bf16_isa", cpu.KNOB_DEFAULTS["cpu_bf16_isa"])
     if (bf16_isa == "avx512bf16" and fmt in ("bf16", "fp8")
             and cpu.isa_variants()["cpu_bf16_isa"]["avx512bf16"] != "unavailable"):
         return BF16_LINEAR
-    if method == "int8" and fmt == "int4_g128":
+    if (method == "int8" and fmt == "int4_g128") or int4_gemm_vnni(fmt, knobs, tokens):
         return INT4_INT8_MOE if op == "fused_moe" else INT4_INT8
     if method in ("int16", "int8") and fmt in ("int4_g64_asym", "int4_g128"):
         return INT4_INT16
     return TIGHT
 
 
-def bf16_bound(fmt: str, base: float, op: str = "linear") -> float:
-    """The bf16-activation bound: the op's, or the int8-activation INT4 method's if larger."""
-    return max(base, tight(fmt, op=op))
+def bf16_bound(fmt: str, base: float, op: str = "linear", tokens: int | None = None) -> float:
+    """The bf16-activation bound: the op's, or the int8-activation INT4 method's / GEMM's if larger."""
+    return max(base, tight(fmt, op=op, tokens=tokens))
 
 
 FORMATS = ("f32", "bf16", "int8", "fp8", "int4_g32", "int4_g64_asym", "int4_g128")
@@ -129,9 +139,9 @@ class BackendConformance:
         g = torch.Generator().manual_seed(t * n + k)
         w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
         x = torch.randn(t, k, generator=g)
-        check(self.backend.linear(x, w), reference.linear(x, w), tight(fmt), f"linear {fmt} {shape}")
+        check(self.backend.linear(x, w), reference.linear(x, w), tight(fmt, tokens=t), f"linear {fmt} {shape}")
         xb = x.to(torch.bfloat16)
-        check(self.backend.linear(xb, w), reference.linear(xb, w), bf16_bound(fmt, BF16_LINEAR),
+        check(self.backend.linear(xb, w), reference.linear(xb, w), bf16_bound(fmt, BF16_LINEAR, tokens=t),
               f"linear bf16-act {fmt} {shape}")
 
     @pytest.mark.parametrize("fmt", FORMATS)
@@ -141,10 +151,10 @@ class BackendConformance:
         w13, w2 = moe_weights(e, d, i, fmt)
         tw, ids = routing(t, e, k, seed=t, experts=pool)
         x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
-        check(self.backend.fused_moe(x, w13, w2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), tight(fmt, op="fused_moe"),
+        check(self.backend.fused_moe(x, w13, w2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), tight(fmt, op="fused_moe", tokens=t),
               f"fused_moe {fmt} {case}")
         xb = x.to(torch.bfloat16)
-        check(self.backend.fused_moe(xb, w13, w2, tw, ids), reference.fused_moe(xb, w13, w2, tw, ids), bf16_bound(fmt, BF16_MOE, "fused_moe"),
+        check(self.backend.fused_moe(xb, w13, w2, tw, ids), reference.fused_moe(xb, w13, w2, tw, ids), bf16_bound(fmt, BF16_MOE, "fused_moe", t),
               f"fused_moe bf16-act {fmt} {case}")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -223,9 +233,9 @@ def test_every_knob_value_gives_the_same_answer(name, value):
         w13_1 = cpu.prepare(w13.orig[1])
         for x, tw, ids, ref_moe, ref_linear in cases:
             t = x.shape[0]
-            check(cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs), ref_moe, tight(fmt, knobs, "fused_moe"),
+            check(cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs), ref_moe, tight(fmt, knobs, "fused_moe", t),
                   f"fused_moe {fmt} T={t} {knobs}")
-            check(cpu.linear(x, w13_1, knobs=knobs), ref_linear, tight(fmt, knobs), f"linear {fmt} T={t} {knobs}")
+            check(cpu.linear(x, w13_1, knobs=knobs), ref_linear, tight(fmt, knobs, tokens=t), f"linear {fmt} T={t} {knobs}")
 
 
 def test_knob_defaults_mirror_the_catalogue():

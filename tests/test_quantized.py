@@ -9,8 +9,9 @@ Tolerances (‖Δ‖/‖ref‖ of float32 logits, 40-token prompt):
   error, which through the residual stream and the layers gives 3e-3–6.4e-3 on these tiny
   models (measured): 2e-2.
 - INT4 group (weight-only in the format): the cpu kernels' default cpu_int4_method=int8 quantizes
-  activations per token and group to int8 on the microkernel path (llama.cpp's Q4 x Q8), the same
-  size of rounding as INT8's: 2e-2.
+  activations per token and group to int8 on the microkernel path (llama.cpp's Q4 x Q8), and so does
+  the VNNI INT4 GEMM of the prefill (cpu_int4_gemm auto where the CPU has VNNI), the same size of
+  rounding as INT8's: 2e-2.
   The GQA family checkpoints (hf_oracle.FAMILY_CONFIGS: wider weights, routers spread so experts
   do not tie) measure 0.9e-2–1.2e-2 at the median position, and a routing flip under the activation
   rounding moves single positions (qwen3_base: one at 0.12, 2.2e-2 overall; the reference and cpu

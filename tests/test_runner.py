@@ -9,6 +9,8 @@
   the same points; they differ only in summation order (head_linear, the GEMM path's activation
   conversion) and in exp / cos / sin implementations (routing, SiLU, rotary angles), which a bf16
   rounding can turn into one unit in the last place of an activation.
+- INT4 at batch 34: the runner's INT4 linears take the VNNI INT4 GEMM (cpu_int4_gemm) as the eager
+  path's do; float32 within 1e-5.
 - The serial threshold (cpu_serial_below_bytes) changes no result bit.
 - A kernel-table value and a command-line knob reach the runner's calls (kernels.cpu.recording()).
 - Where the runner does not apply (prefill, batch_invariant, the reference backend, mla_absorb=never)
@@ -206,6 +208,29 @@ def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
     got = _teacher_forced(llm, prompts, feeds)
     assert seen == [2] * 4
     assert rel_err(got, eager) < (1e-5 if dtype == "float32" else 5e-3)
+
+
+def test_the_runner_takes_the_int4_gemm_on_the_gemm_path(tmp_path_factory):
+    """An INT4 checkpoint at 34 sequences: the runner's INT4 linears (≥ cpu_gemm_min_tokens rows) run the
+    VNNI INT4 GEMM (cpu_int4_gemm auto; on its C++ model where the CPU lacks VNNI) as the eager path's
+    do, and the two agree within the GEMM path's float32 bound (1e-5)."""
+    from engine.weights.quantize import quantize_checkpoint
+
+    src = save_checkpoint(build_hf_model("v3_base"), tmp_path_factory.mktemp("src"))
+    q = quantize_checkpoint(src, tmp_path_factory.mktemp("int4") / "int4", "int4", progress=False)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (34,), generator=g)]
+    feeds = [torch.randint(2, 300, (34,), generator=g).tolist() for _ in range(2)]
+    model_only = [] if "avx512_vnni" in cpu.features() else ["avx512_vnni"]
+    with cpu.emulate(model_only):
+        eager = _teacher_forced(_llm(q, graph_mode="eager"), prompts, feeds)
+        llm = _llm(q, graph_mode="cpp")
+        assert llm.model.runner is not None
+        with cpu.recording() as rec:
+            got = _teacher_forced(llm, prompts, feeds)
+    decode = [c for c in rec if c["op"] == "linear" and c["format"] == "int4" and c["tokens"] == 34]
+    assert decode and all(c["isa"] == ("vnni-model" if model_only else "vnni") for c in decode), decode[:3]
+    assert rel_err(got, eager) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 5e-3)])

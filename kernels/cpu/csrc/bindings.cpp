@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
       .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
       .value("vnni", moetune::kInt8GemmVnni);
+  py::enum_<moetune::Int4Gemm>(m, "Int4Gemm")
+      .value("auto", moetune::kInt4GemmAuto).value("unpack", moetune::kInt4GemmUnpack)
+      .value("vnni", moetune::kInt4GemmVnni);
   py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)
@@ -67,6 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
       .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)
       .def_readwrite("int8_gemm", &Knobs::int8_gemm)
+      .def_readwrite("int4_gemm", &Knobs::int4_gemm)
       .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)
       .def_readwrite("attn_kv_splits", &Knobs::attn_kv_splits)
       .def_readwrite("attn_decode_kv_block", &Knobs::attn_decode_kv_block)

@@ -33,6 +33,9 @@ enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
 enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3 };
 // cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS (or AMX), or our tile GEMM on vpdpbusd.
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2 };
+// cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd
+// (activations quantized to int8 per (token, group); amx.cpp gemm_int4).
+enum Int4Gemm : int { kInt4GemmAuto = 0, kInt4GemmUnpack = 1, kInt4GemmVnni = 2 };
 
 // The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
 // features under the mask, and the emulated features).
@@ -78,6 +81,7 @@ struct Knobs {
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;
   Int8Gemm int8_gemm = (Int8Gemm)-1;
+  Int4Gemm int4_gemm = (Int4Gemm)-1;
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   void check() const;  // every field set and in range (matmul.cpp)

@@ -66,6 +66,8 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   const bool vnni = kn.int8_gemm == kInt8GemmVnni || (kn.int8_gemm == kInt8GemmAuto && !(have & kFeatAmx));
   if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
+  // INT4 (amx.cpp gemm_int4): AMX has no INT4 form, so auto takes VNNI wherever the CPU has it
+  if (W.fmt == kInt4 && kn.int4_gemm != kInt4GemmUnpack) feat = kFeatVnni;
   if (!feat) return -1;
   return (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
 }

@@ -95,8 +95,9 @@ void Knobs::check() const {
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
-                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni,
-              "fp8_method, int4_method, int8_isa, bf16_isa, bf16_gemm and int8_gemm must be set");
+                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
+                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni,
+              "fp8_method, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -416,8 +417,8 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   const int engine = gemm_dot_engine(W, kn);
   if (engine >= 0) {
     const bool model = engine == kTilesDotModel;
-    note_used(W.fmt == kInt8 ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
-    return gemm_tiles_run(x_act, W, engine);
+    note_used(W.fmt != kBF16 ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, model) : gemm_tiles_run(x_act, W, engine);
   }
   note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;

@@ -91,8 +91,12 @@ at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
 // or their C++ model (amx.cpp).
 enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3 };
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
-// The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none).
+// The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
+// engine of gemm_int4, kTilesDot or kTilesDotModel).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);
+// x_act [M, K] float32 · Wᵀ for an INT4 weight, real values, on vpdpbusd (model: its C++ model);
+// activations quantized to int8 per (token, group) inside (amx.cpp).
+at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model);
 // From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
 inline int64_t gemm_from(int fmt, const Knobs& kn, bool act_bf16) {  // AMX: under the feature mask too
   return amx_usable(fmt, act_bf16) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
