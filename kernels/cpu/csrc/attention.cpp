@@ -257,8 +257,17 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
   const bool v_in_k = V.base == K.base && V.sblock == K.sblock && V.stok == K.stok && V.shead == K.shead && Dv <= Dk;
   at::Tensor Qm;
   if (blas) {  // the BLAS form: row-major queries, blocks converted to float32 rows, QK and PV by sgemm
-    for (int r = 0; r < rows; ++r)
-      for (int64_t d = 0; d < Dk; ++d) sc.q[r * Dk + d] = Qt[(r / kGroup) * Dk * kGroup + d * kGroup + r % kGroup];
+    __m512 t[16], o[16];  // Qt's [dim][16 rows] groups back to rows, 16 × 16 at a time
+    for (int g0 = 0; g0 < rows; g0 += kGroup) {
+      const float* qg = Qt + (g0 / kGroup) * Dk * kGroup;
+      const int gr = std::min(kGroup, rows - g0);
+      for (int64_t d0 = 0; d0 < Dk; d0 += 16) {
+        const int64_t dn = std::min<int64_t>(16, Dk - d0);
+        for (int d = 0; d < 16; ++d) t[d] = d < dn ? _mm512_loadu_ps(qg + (d0 + d) * kGroup) : _mm512_setzero_ps();
+        transpose16(t, o);
+        for (int r = 0; r < gr; ++r) _mm512_mask_storeu_ps(sc.q.data() + (g0 + r) * Dk + d0, tail_mask16(dn), o[r]);
+      }
+    }
     Qm = view2d(sc.q.data(), rows, Dk, Dk);
   }
   for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
@@ -275,7 +284,7 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
       if (!v_in_k) rows_to_f32<DT>(sc.vrow.data(), nb, Dv, sc.vf.data());
       Vm = v_in_k ? view2d(sc.kf.data(), nb, Dv, Dk) : view2d(sc.vf.data(), nb, Dv, Dv);
       at::Tensor St = view2d(S, rows, nb, ldk);
-      St.copy_(at::mm(Qm, view2d(sc.kf.data(), nb, Dk, Dk).t()));
+      at::mm_out(St, Qm, view2d(sc.kf.data(), nb, Dk, Dk).t());
     } else {
       transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
       for (int g0 = 0; g0 < rows; g0 += kGroup)
@@ -306,8 +315,13 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
     }
     if (blas) {
       for (int r = 0; r < rows; ++r)
-        if (sc.alpha[r] != 1.f)
-          for (int64_t c = 0; c < Dv; ++c) A[r * lda + c] *= sc.alpha[r];
+        if (sc.alpha[r] != 1.f) {
+          const __m512 a = _mm512_set1_ps(sc.alpha[r]);
+          for (int64_t c = 0; c < Dv; c += 16) {
+            const __mmask16 mk = tail_mask16(Dv - c);
+            _mm512_mask_storeu_ps(A + r * lda + c, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, A + r * lda + c), a));
+          }
+        }
       view2d(A, rows, Dv, lda).addmm_(view2d(S, rows, nb, ldk), Vm);
       continue;
     }
