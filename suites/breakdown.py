@@ -80,7 +80,7 @@ def _linear_part(key: str) -> str:
         return "lm_head"
     if key.endswith(".router"):
         return "linear.router"
-    if ".shared." in key:
+    if ".shared." in key or key.endswith(".shared_gate"):
         return "linear.shared"
     if ".mlp." in key:
         return "linear.dense"
@@ -107,6 +107,7 @@ class OpTimer:
         self.wrapped_calls, self.runner_glue, self.runner_accounting = 0, 0.0, 0.0
         self._keys = {id(w): k for k, w in model.w.items()}
         self._keys.update({id(w): f"layers.{i}.router" for i, w in model.routers.items()})
+        self._keys.update({id(w): f"layers.{i}.shared_gate" for i, w in getattr(model, "shared_gates", {}).items()})
         self._wrapped = {}
 
     def reset(self) -> None:
@@ -132,7 +133,8 @@ class OpTimer:
                         moe.append((i, w, by_slot["w2"]))
                     elif slot != "w2":
                         fixed.append(("linear", _linear_part(self._keys.get(id(w), "")), (None, w)))
-                fixed += [("head_linear", "head_linear", (None, t)) for t in (runner.model.w_uk[i], runner.model.w_uv[i])]
+                if hasattr(runner.model, "w_uk"):  # MLA's absorbed per-head products
+                    fixed += [("head_linear", "head_linear", (None, t)) for t in (runner.model.w_uk[i], runner.model.w_uv[i])]
             self._runner_log = (runner, fixed, moe)
         _, fixed, moe = self._runner_log
         self.log += fixed

@@ -104,6 +104,26 @@ def test_weight_bytes_are_the_weights_a_decode_token_reads():
     assert dec["parts"]["head_linear"]["calls"] == 2 * c.num_hidden_layers  # absorbed decode: W_UK and W_UV
 
 
+def test_gqa_runner_steps_count_the_same_bytes_as_eager():
+    """A GQA family (Qwen2-MoE: q/k/v biases, the shared expert's gate) under the C++ runner: its
+    calls are attributed to the same parts and weight bytes as the eager path's."""
+    runs = {m: breakdown.measure(LLM("tiny-qwen2moe", dtype="bfloat16", knobs={"threads": 1, "graph_mode": m},
+                                     progress=False), prompt_len=5, decode=2, batch=1, repeats=1, progress=False)
+            for m in ("eager", "cpp")}
+    assert runs["cpp"]["graph_mode"] == "cpp" and runs["eager"]["graph_mode"] == "eager"
+    dec = {m: r["phases"]["decode"] for m, r in runs.items()}
+    assert dec["cpp"]["bytes_by_group"] == dec["eager"]["bytes_by_group"]
+    llm = LLM("tiny-qwen2moe", dtype="bfloat16", progress=False)
+    w, nb = llm.model.w, breakdown._nbytes
+    attn = sum(nb(v) for k, v in w.items() if k.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    assert dec["cpp"]["bytes_by_group"]["attention"] == attn
+    assert dec["cpp"]["bytes_by_group"]["shared_experts"] == (
+        sum(nb(v) for k, v in w.items() if ".shared." in k) + sum(nb(g) for g in llm.model.shared_gates.values()))
+    for part in ("linear.attn", "attention", "fused_moe", "linear.shared", "lm_head"):
+        assert dec["cpp"]["parts"][part]["calls"] == dec["eager"]["parts"][part]["calls"], part
+    assert dec["cpp"]["parts"]["head_linear"]["calls"] == 0
+
+
 @pytest.mark.parametrize("args, word", [(["--repeats", "0"], "--repeats"), (["--knob", "threads"], "NAME=VALUE"),
                                         (["--knob", "nope=1"], "unknown knob")])
 def test_bad_input_is_one_line(args, word):
