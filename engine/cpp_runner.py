@@ -138,6 +138,9 @@ class CppDecodeRunner:
         self._keys: dict[tuple, int] = {}
         self._structs: dict[int, list] = {}
         self._default = cpu.make_knobs()
+        self._records = False  # what the runner was last told of recording
+        self._attn_site = model.attention_sites()[0]  # the decode attention call site (op, shape key)
+        self._attention_choice = getattr(ops, "attention_choice", None)  # TunedOps: the per-call tables
         self._cache_fmt = "bf16" if model.dtype == torch.bfloat16 else "f32"
 
     # ------------------------------------------------------------ knobs per bucket
@@ -148,11 +151,10 @@ class CppDecodeRunner:
 
     def _attn_choice(self, tokens: int, context: int):
         """The decode attention site's choice (mla_decode, or paged_decode for the GQA families)."""
-        choice = getattr(self.ops, "attention_choice", None)
-        if choice is None:
+        if self._attention_choice is None:
             return None
-        op, key = self.model.attention_sites()[0]
-        return choice(op, key, tokens, context)
+        op, key = self._attn_site
+        return self._attention_choice(op, key, tokens, context)
 
     def _struct(self, choice):
         """A choice's knob struct (its prebuilt one, or one built from its overrides; None: the defaults)."""
@@ -184,8 +186,7 @@ class CppDecodeRunner:
         lists (what LLM._step calls: no Batch and no tensors built in Python): each sequence's new
         token, its position and its block table (cache space for the token reserved)."""
         key = self._key(len(ids), max(positions) + 1)
-        recording = self._cpu.is_recording()
-        self.runner.recording = recording
+        recording = self._recording()
         out = self.runner.step_logits(ids, positions, tables, _tensors(cache), key)
         if recording:
             self._replay(key)
@@ -194,12 +195,18 @@ class CppDecodeRunner:
     def _run(self, fn, batch, cache) -> torch.Tensor:
         tables, lens = batch.decode_rows(_HOST)
         key = self._key(lens.shape[0], int(lens.max()))
-        recording = self._cpu.is_recording()
-        self.runner.recording = recording
+        recording = self._recording()
         out = fn(batch.token_ids, batch.positions, _tensors(cache), tables, lens, batch.slots, key)
         if recording:
             self._replay(key)
         return out
+
+    def _recording(self) -> bool:
+        """Whether this step is recorded (kernels.cpu.recording()); the runner told only on a change."""
+        on = self._cpu.is_recording()
+        if on != self._records:
+            self.runner.recording = self._records = on
+        return on
 
     def _replay(self, key: int) -> None:
         names = self._cpu.FORMAT_NAMES

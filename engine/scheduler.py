@@ -149,7 +149,7 @@ class Scheduler:
         logits, rows = self.llm._forward(reqs, new_tokens, every_row) if every_row else (self.llm._step(reqs, new_tokens), {})
         for i, chunk in rows.items():
             self._record_prompt_logprobs(reqs[i], starts[i], chunk)
-        return [u for r, row in zip(reqs, logits) for u in self._after_forward(r, row)]
+        return [u for r, row in zip(reqs, logits.unbind(0)) for u in self._after_forward(r, row)]
 
     @staticmethod
     def _wants_prompt_logprobs(req: Request) -> bool:
