@@ -22,8 +22,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert): from this many, the GEMM path (per "
          "cpu_bf16_gemm / cpu_int8_gemm / cpu_int4_gemm: weight blocks unpacked to float32 for BLAS, oneDNN, the "
-         "VNNI / AVX512-BF16 dot-product GEMM, or AMX from cpu_amx_min_tokens) instead of the register "
-         "microkernel", low=1, high=4096, log=True),
+         "VNNI / AVX512-BF16 dot-product GEMM — from cpu_dot_gemm_min_tokens —, or AMX from "
+         "cpu_amx_min_tokens) instead of the register microkernel", low=1, high=4096, log=True),
+    Knob("cpu_dot_gemm_min_tokens", int, 8, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert): from this many, a weight whose GEMM path runs a "
+         "dot-product GEMM here (INT8 / INT4 on VNNI, BF16 on AVX512-BF16 when cpu_bf16_gemm names it) "
+         "takes it instead of the register microkernel; it packs its own weight blocks, with no float32 "
+         "unpack, so it wins from fewer rows than cpu_gemm_min_tokens' unpack + BLAS (measured: INT8 / INT4 "
+         "from 8-16 rows on an Emerald Rapids VM)", low=1, high=4096, log=True),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
          low=16, high=4096, log=True, pow2=True),

@@ -80,13 +80,13 @@ def test_linear_and_moe_take_amx_above_the_threshold(fmt):
     ref = reference.linear(x.float(), w)
     for amx_min in (1, 4096):
         with cpu.recording() as rec:
-            got = cpu.linear(x, w, knobs={**base, "cpu_amx_min_tokens": amx_min, "cpu_gemm_min_tokens": 1})
+            got = cpu.linear(x, w, knobs={**base, "cpu_amx_min_tokens": amx_min, "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1})
         assert ("amx" in rec[-1]["isa"].split("+")) == (amx_min == 1), rec[-1]["isa"]
         assert ((got.float() - ref).norm() / ref.norm()).item() <= tol
     # a dot-product tile GEMM asked for by name runs instead of AMX (every AMX CPU has VNNI and BF16)
     named = {"cpu_bf16_gemm": "avx512bf16"} if fmt == "bf16" else {"cpu_int8_gemm": "vnni"}
     with cpu.recording() as rec:
-        got = cpu.linear(x, w, knobs={**named, "cpu_amx_min_tokens": 1, "cpu_gemm_min_tokens": 1})
+        got = cpu.linear(x, w, knobs={**named, "cpu_amx_min_tokens": 1, "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1})
     assert "amx" not in rec[-1]["isa"].split("+"), rec[-1]["isa"]
     assert ((got.float() - ref).norm() / ref.norm()).item() <= tol
     if fmt == "bf16":

@@ -37,7 +37,7 @@ from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, INT4_INT8, INT4_INT8_MOE, L
                               bf16_bound, check, make_weight, moe_weights, quantize_act_int8_groups, routing, tight)
 
 HAS = cpu.detected_features()
-MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
+MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
 ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
 
 
@@ -188,13 +188,13 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                               ("auto", "unpack", "onednn", "avx512bf16")):
                     with cpu.recording() as rec:
                         cpu.linear(x, weights[fmt], knobs={"cpu_int8_gemm": int8_gemm, "cpu_bf16_gemm": bf16_gemm,
-                                                           "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
+                                                           "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
             for int4_gemm in ("auto", "unpack", "vnni"):  # INT4's GEMM path
                 with cpu.recording() as rec:
                     cpu.linear(torch.randn(40, 256, generator=g), weights["int4_g128"],
-                               knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32})
+                               knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
                 assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {"blas"})
@@ -437,7 +437,7 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     g = torch.Generator().manual_seed(t + n)
     w = make_weight(torch.randn(n, k, generator=g) * 0.05, "bf16")
     x = torch.randn(t, k, generator=g)
-    knobs = {"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    knobs = {"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
     with cpu.recording() as rec:
         got = cpu.linear(x.bfloat16(), w, knobs=knobs)
         forced = cpu.linear(x, w, knobs=knobs)
@@ -447,10 +447,10 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
     auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
-    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
-    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == auto
+    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
     with cpu.feature_mask(set()):
-        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == "blas"
+        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == "blas"
 
 
 def test_bf16_gemm_onednn_in_fused_moe():
@@ -459,7 +459,7 @@ def test_bf16_gemm_onednn_in_fused_moe():
     tw, ids = routing(t, e, k, seed=t, experts=pool)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(7)).bfloat16()
     with cpu.recording() as rec:
-        got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32})
+        got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
     assert rec[0]["isa"] == "onednn"
     check(got, reference.fused_moe(x, w13, w2, tw, ids), BF16_MOE, "onednn fused MoE")
 
@@ -509,7 +509,7 @@ def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
     g = torch.Generator().manual_seed(9)
     w = make_weight(torch.randn(130, 1000, generator=g) * 0.05, fmt)
     x = torch.randn(37, 1000, generator=g)
-    knobs = {knob: value, "cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    knobs = {knob: value, "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
     with cpu.emulate([feature]), cpu.recording() as rec:
         got = cpu.linear(x, w, knobs=knobs)
     assert rec[0]["isa"] == ("vnni-model" if fmt == "int8" else "avx512bf16-model")
@@ -541,7 +541,7 @@ INT4_GEMM_SHAPES = {
     "m9_n33_partial_group": (9, 33, 100, 64), "odd": (37, 130, 1000, 128), "regular": (64, 256, 512, 128),
     "g32_long": (19, 70, 2048, 32), "n1_k_tail": (3, 1, 200, 128),
 }
-INT4_GEMM = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 1, "cpu_amx_min_tokens": 4096}
+INT4_GEMM = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 4096}
 
 
 @pytest.mark.parametrize("shape", sorted(INT4_GEMM_SHAPES))
@@ -596,7 +596,7 @@ def test_int4_gemm_in_fused_moe(fmt, case):
     w13, w2 = moe_weights(e, d, i, fmt)
     tw, ids = routing(t, e, k, seed=t, experts=pool)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
-    knobs = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 4}
+    knobs = {"cpu_int4_gemm": "vnni", "cpu_gemm_min_tokens": 4, "cpu_dot_gemm_min_tokens": 4}
     with cpu.emulate(["avx512_vnni"]), cpu.recording() as rec:
         model = cpu.fused_moe(x, w13, w2, tw, ids, knobs=knobs)
     assert "vnni-model" in rec[0]["isa"].split("+"), rec[0]["isa"]
@@ -619,7 +619,7 @@ def test_int4_gemm_knob_and_feature_mask():
     g = torch.Generator().manual_seed(11)
     w = make_weight(torch.randn(70, 256, generator=g) * 0.05, "int4_g64_asym")
     x = torch.randn(40, 256, generator=g)
-    base = {"cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
+    base = {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 4096}
     ref = reference.linear(x, w)
     vnni = "avx512_vnni" in HAS
     got, used = run_linear(x, w, {**base, "cpu_int4_gemm": "auto"})
@@ -693,3 +693,26 @@ def test_fingerprint_lists_the_variants_native_and_model_only():
             assert (f"{v}" in fp["cpu_kernel_variants"].split(f"{knob}=")[1].split(";")[0].split(",")) == (how == "native")
     assert ("avx512bf16" in fp["cpu_kernel_variants_model_only"]) == ("avx512_bf16" not in flags)
     assert {f for f in cpu.detected_features() if f != "amx"} == flags & {"avx512_vnni", "avx512_bf16"}  # cpuid = cpuinfo
+
+
+@pytest.mark.parametrize("t", [1, 7, 8, 31, 40])
+def test_dot_gemm_threshold_is_its_own(t):
+    """cpu_dot_gemm_min_tokens decides where a weight whose GEMM is a dot-product engine here (INT8 on
+    VNNI) leaves the microkernels, cpu_gemm_min_tokens where the unpack + BLAS formats (BF16 on float32
+    activations) do. The INT8 microkernels run the int16 path here (cpu_int8_isa=avx512) so the
+    recorded variant names the path: avx512 (microkernel), vnni (the GEMM), blas (unpack + BLAS)."""
+    emulate = [] if "avx512_vnni" in HAS else ["avx512_vnni"]
+    vnni = "vnni" if not emulate else "vnni-model"
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g)
+    w8 = make_weight(torch.randn(70, 256, generator=g) * 0.05, "int8")
+    wb = make_weight(torch.randn(70, 256, generator=g) * 0.05, "bf16")
+    base = {"cpu_int8_isa": "avx512", "cpu_int8_gemm": "vnni", "cpu_amx_min_tokens": 4096}
+    for dot, gemm in ((8, 4096), (8, 1), (4096, 1), (1, 4096)):
+        knobs = {**base, "cpu_dot_gemm_min_tokens": dot, "cpu_gemm_min_tokens": gemm}
+        y8, used8 = run_linear(x, w8, knobs, emulate)
+        assert used8 == (vnni if t >= dot else "avx512"), (dot, gemm, used8)
+        yb, usedb = run_linear(x, wb, knobs)
+        assert usedb == ("blas" if t >= gemm else "avx512"), (dot, gemm, usedb)
+        check(y8, reference.linear(x, w8), tight("int8"), f"int8 T={t} dot={dot}")
+    assert cpu.KNOB_DEFAULTS["cpu_dot_gemm_min_tokens"] < cpu.KNOB_DEFAULTS["cpu_gemm_min_tokens"]

@@ -14,7 +14,7 @@ Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
   6.8e-3; fused MoE 3e-2, its down projection's input being quantized too, and SiLU·up's
   outliers widening the groups' steps: measured up to 1.7e-2); and that method equals the
   reference fed its quantized activations within 2e-5; the same 1.5e-2 / 3e-2 for every INT4 group
-  size on the GEMM path (from cpu_gemm_min_tokens rows) where cpu_int4_gemm takes the VNNI INT4 GEMM
+  size on the GEMM path (from cpu_dot_gemm_min_tokens rows) where cpu_int4_gemm takes the VNNI INT4 GEMM
   (auto where the CPU has AVX512-VNNI; tests/test_isa.py), which quantizes the activations the same way;
 - bfloat16 activations: 1e-2 for linear (both round the output to bf16), 2e-2 for fused MoE (the
   reference also rounds the gate/up output to bf16 before SiLU, the kernel keeps float32); the
@@ -44,9 +44,9 @@ TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2,
 
 def int4_gemm_vnni(fmt: str, knobs: dict | None, tokens: int | None) -> bool:
     """Whether an INT4 call with `tokens` rows (an upper bound on any expert's) may take the VNNI INT4
-    GEMM here (cpu_int4_gemm auto / vnni, from cpu_gemm_min_tokens rows): int8 activations per group."""
+    GEMM here (cpu_int4_gemm auto / vnni, from cpu_dot_gemm_min_tokens rows): int8 activations per group."""
     k = {**cpu.KNOB_DEFAULTS, **(knobs or {})}
-    return (fmt.startswith("int4") and tokens is not None and tokens >= k["cpu_gemm_min_tokens"]
+    return (fmt.startswith("int4") and tokens is not None and tokens >= k["cpu_dot_gemm_min_tokens"]
             and k["cpu_int4_gemm"] != "unpack" and cpu.isa_variants()["cpu_int4_gemm"]["vnni"] != "unavailable")
 
 
@@ -351,7 +351,7 @@ def test_int4_int8_method_is_exact_on_its_quantized_activations(t, n, k, tokens)
     g = torch.Generator().manual_seed(n + k)
     w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, 128, symmetric=False)
     x = torch.randn(t, k, generator=g)
-    knobs = {"cpu_int4_method": "int8", "cpu_micro_tokens": tokens, "cpu_gemm_min_tokens": 4096}
+    knobs = {"cpu_int4_method": "int8", "cpu_micro_tokens": tokens, "cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096}
     got = cpu.linear(x, w, knobs=knobs)
     check(got, reference.linear(quantize_act_int8_groups(x, 128), w), TIGHT, "int4 int8-method, exact part")
     check(got, reference.linear(x, w), INT4_INT8, "int4 int8-method vs float activations")

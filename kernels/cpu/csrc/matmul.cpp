@@ -90,8 +90,9 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1,
-              "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens must be ≥ 1");
+                  amx_min_tokens >= 1 && dot_gemm_min_tokens >= 1,
+              "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
+              "dot_gemm_min_tokens must be ≥ 1");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
@@ -447,7 +448,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   reset_used();
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn, x.scalar_type() == at::kBFloat16).base;
   const int64_t M = x.size(0);
-  const bool gemm = M >= gemm_from(W.fmt, kn, W.act_bf16);
+  const bool gemm = M >= gemm_from(W, kn);
   if (gemm) W.no_micro_forms();
   if (gemm && W.fmt == kBF16 && W.act_bf16 && bf16_gemm_onednn(kn, true)) {
     // torch's bf16 linear on the caller's bf16 rows, its bf16 output returned as is: no float32 copy

@@ -1,8 +1,9 @@
 // Fused MoE: tokens grouped by expert; phase 1 computes SiLU(gate)·up per (expert, intermediate
 // tile) task, phase 2 the down projection per output (D) tile over every expert, accumulating the
 // routing-weighted sum in place (a tile is owned by one task, so no atomics). One barrier between
-// the phases, none per expert. Experts with many tokens (≥ gemm_min_tokens, or ≥ amx_min_tokens where
-// AMX runs) take the GEMM path instead (AMX tiles, or unpack + BLAS), one expert at a time with all threads.
+// the phases, none per expert. Experts with many tokens (≥ gemm_min_tokens; ≥ dot_gemm_min_tokens where
+// the format's GEMM is a dot-product engine here; ≥ amx_min_tokens where AMX runs) take the GEMM path
+// instead (dot-product or AMX tiles, or unpack + BLAS), one expert at a time with all threads.
 #include <omp.h>
 #include <cmath>
 #include "ops.h"
@@ -130,8 +131,9 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   const int64_t P = T * topk_ids.size(1);
 
   std::vector<int64_t> small, large;
+  const int64_t from = gemm_from(W13.base, kn);
   for (int64_t e = 0; e < E; ++e)
-    if (r.count[e] > 0) (r.count[e] >= gemm_from((int)fmt, kn, act_bf16) ? large : small).push_back(e);
+    if (r.count[e] > 0) (r.count[e] >= from ? large : small).push_back(e);
 
   // phase 1: h [P, I]
   // the microkernel-only activation forms (INT4 int16 / int8, FP8 widen) only where a microkernel reads them

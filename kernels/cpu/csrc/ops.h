@@ -97,9 +97,12 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // x_act [M, K] float32 · Wᵀ for an INT4 weight, real values, on vpdpbusd (model: its C++ model);
 // activations quantized to int8 per (token, group) inside (amx.cpp).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model);
-// From how many activation rows a weight of this format takes the GEMM path (AMX or unpack + BLAS).
-inline int64_t gemm_from(int fmt, const Knobs& kn, bool act_bf16) {  // AMX: under the feature mask too
-  return amx_usable(fmt, act_bf16) ? std::min<int64_t>(kn.gemm_min_tokens, kn.amx_min_tokens) : kn.gemm_min_tokens;
+// From how many activation rows a weight takes the GEMM path: dot_gemm_min_tokens where its GEMM runs a
+// dot-product engine here (no float32 unpack: it wins from fewer rows), else gemm_min_tokens; AMX (under
+// the feature mask too) from amx_min_tokens at the latest.
+inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
+  const int64_t from = gemm_dot_engine(W, kn) >= 0 ? kn.dot_gemm_min_tokens : kn.gemm_min_tokens;
+  return amx_usable(W.fmt, W.act_bf16) ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,

@@ -441,7 +441,7 @@ class DecodeRunner {
     SerialScope one(serial(L.bytes()));
     reset_used();
     WeightView W = make_weight(L.fmt, L.w, L.N, L.K, L.scale, L.zero, L.group, L.block_n, kn, act_bf16).base;
-    const bool gemm = M >= gemm_from(W.fmt, kn, act_bf16);
+    const bool gemm = M >= gemm_from(W, kn);
     if (gemm) W.no_micro_forms();
     PreparedAct p = prepare_act_f32rows(x, M, L.K, L.K, W, pool ? pool : &pools_[slot]);
     if (gemm) {
