@@ -11,8 +11,9 @@ from kernels.knobspec import Knob
 CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_micro_rows", int, 4, "kernels/cpu",
          "CPU matmul microkernel: weight rows per register tile", choices=(4, 8)),
-    Knob("cpu_micro_tokens", int, 1, "kernels/cpu",
-         "CPU matmul microkernel: tokens per register tile (each weight chunk is converted once for them)",
+    Knob("cpu_micro_tokens", int, 4, "kernels/cpu",
+         "CPU matmul microkernel: tokens per register tile (each weight chunk is converted once for them; "
+         "the tokens left over after whole tiles go in pairs, then one at a time)",
          choices=(1, 2, 4)),
     Knob("cpu_linear_block_n", int, 64, "kernels/cpu",
          "CPU linear, few tokens: output rows per parallel task", low=8, high=1024, log=True, pow2=True),

@@ -321,7 +321,8 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
                   : W.fmt == kFp8 && bf16dot                  ? (model ? kFp8DpModel : kFp8Dp)
                   : W.fmt == kFp8 && W.fp8_widen              ? kFp8w
                                                               : W.fmt;
-  MicroFn fn = get_micro(fmt, R, MT);
+  // MT tokens per tile while that many are left, then pairs, then single tokens
+  MicroFn fn = get_micro(fmt, R, MT), fn2 = MT > 2 ? get_micro(fmt, R, 2) : nullptr;
   MicroFn fn1 = get_micro(fmt, R, 1);
   const unsigned csr = _mm_getcsr();
   // DAZ for the sweep: micro_fp8w's denormals read as zero; the vdpbf16ps model: DAZ + FTZ, as the instruction
@@ -333,9 +334,10 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   if (!next) next = W.w + n1 * W.row_bytes;      // default: the rows after the sweep
   for (int64_t m0 = 0; m0 < M; m0 += MT) {
     const int64_t mt = std::min<int64_t>(MT, M - m0);
-    MicroFn f = mt == MT ? fn : fn1;
-    const int64_t step = mt == MT ? MT : 1;
-    for (int64_t mm = m0; mm < m0 + mt; mm += step) {
+    for (int64_t mm = m0; mm < m0 + mt;) {
+      const int64_t left = m0 + mt - mm;
+      const int64_t step = left == MT ? MT : (left >= 2 && fn2) ? 2 : 1;
+      MicroFn f = step == MT ? fn : step == 2 ? fn2 : fn1;
       for (int64_t j = 0; j < step; ++j) t[j] = tok[mm + j];
       const bool last_group = mm + step >= M;
       for (int64_t r0 = n0; r0 < n1; r0 += R) {
@@ -345,6 +347,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
         for (int64_t j = 0; j < step; ++j)
           for (int64_t r = 0; r < nr; ++r) out[(mm + j - 0) * ldo + (r0 - n0) + r] = buf[j * R + r];
       }
+      mm += step;
     }
   }
   if (csr_bits) _mm_setcsr(csr);
