@@ -418,6 +418,23 @@ def test_worker_failures_become_one_line_errors(script, match):
         assert w.proc.poll() is not None or match == "not JSON" or match == "malformed reply"
 
 
+def test_our_kt_layer_is_prepared_for_the_backend():
+    """The layer timed against kt-kernel is prepared once for the kernel back end, as the engine's
+    weights are at load (not per call: the INT8 row sums of a V3 stack took seconds a call)."""
+    import kernels
+    from kernels import cpu
+    from suites.baselines.ktkernel import our_inputs, our_layer, time_ours
+
+    shape, E = (256, 128, 2), 4
+    w13, w2 = our_layer("int8", E, shape, seed=0, backend=cpu)
+    assert isinstance(w13, cpu.Packed) and isinstance(w2, cpu.Packed)
+    raw13, raw2 = our_layer("int8", E, shape, seed=0)
+    x, wts, ids = our_inputs(E, shape, 3, seed=3)
+    _, ours = time_ours(cpu, w13, w2, x, wts, ids, repeats=1, warmup=0)
+    _, ref = time_ours(kernels.get_backend("reference"), raw13, raw2, x, wts, ids, repeats=1, warmup=0)
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 2e-2  # int8 activations on our side
+
+
 def test_kt_kernel_layer_matches_ours():
     """The real kt-kernel (own virtualenv, made when missing): BF16 layer = our reference on the
     same weights and inputs; its refusals (too many tokens, unknown class) come back as errors."""

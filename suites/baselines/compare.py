@@ -251,7 +251,7 @@ def run_moe(args, workloads: list[dict], threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     backend_name = resolve_knobs({})["kernel_backend"]
     backend = kernels.get_backend(backend_name)
-    w13, w2 = our_layer(fmt, E, shape, seed=0)
+    w13, w2 = our_layer(fmt, E, shape, seed=0, backend=backend)
     model = f"moe-{args.moe_shape}-{E}e"
     rows = []
     with KtKernel(threads) as kt:

@@ -98,9 +98,11 @@ class KtKernel(WorkerOwner):
 # ------------------------------------------------------------------ our side
 
 
-def our_layer(fmt: str, experts: int, shape: tuple[int, int, int], seed: int):
+def our_layer(fmt: str, experts: int, shape: tuple[int, int, int], seed: int, backend=None):
     """(w13, w2) in our formats from the same BF16 bits kt-kernel gets; quantized expert by expert
-    (a float32 copy of a whole V3-sized stack would not fit beside kt-kernel's)."""
+    (a float32 copy of a whole V3-sized stack would not fit beside kt-kernel's), then prepared for
+    `backend` once, as the engine prepares its weights at load (the cpu backend's INT8 row sums:
+    computed per call on an unprepared 2.8 GB stack, they made the layer take seconds)."""
     import dataclasses
 
     import torch
@@ -123,7 +125,8 @@ def our_layer(fmt: str, experts: int, shape: tuple[int, int, int], seed: int):
     w13 = stacked([quant(torch.cat([as_bf16(gate[e]), as_bf16(up[e])]).clone()) for e in range(experts)])
     del gate, up
     w2 = stacked([quant(as_bf16(down[e]).clone()) for e in range(experts)])
-    return w13, w2
+    prepare = getattr(backend, "prepare", None)
+    return (prepare(w13), prepare(w2)) if prepare else (w13, w2)
 
 
 def our_inputs(experts: int, shape: tuple[int, int, int], tokens: int, seed: int):
@@ -176,7 +179,7 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     shape = SHAPES[args.shape]
     backend = kernels.get_backend(args.backend)
-    w13, w2 = our_layer(args.format, args.experts, shape, seed=0)
+    w13, w2 = our_layer(args.format, args.experts, shape, seed=0, backend=backend)
     with KtKernel(args.threads, variant=args.variant) as kt:
         load = kt.load(args.format, args.experts, shape, seed=0, max_len=max(tokens))
         print(json.dumps({"kt": kt.setup | load}), flush=True)
