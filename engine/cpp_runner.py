@@ -185,28 +185,24 @@ class CppDecodeRunner:
         """The float32 logits [B, vocab] of a decode step, lm_head included (has_lm_head), from plain
         lists (what LLM._step calls: no Batch and no tensors built in Python): each sequence's new
         token, its position and its block table (cache space for the token reserved)."""
-        key = self._key(len(ids), max(positions) + 1)
-        recording = self._recording()
-        out = self.runner.step_logits(ids, positions, tables, _tensors(cache), key)
-        if recording:
-            self._replay(key)
-        return out
+        return self._call(self.runner.step_logits, self._key(len(ids), max(positions) + 1),
+                          ids, positions, tables, _tensors(cache))
 
     def _run(self, fn, batch, cache) -> torch.Tensor:
         tables, lens = batch.decode_rows(_HOST)
-        key = self._key(lens.shape[0], int(lens.max()))
-        recording = self._recording()
-        out = fn(batch.token_ids, batch.positions, _tensors(cache), tables, lens, batch.slots, key)
-        if recording:
-            self._replay(key)
-        return out
+        return self._call(fn, self._key(lens.shape[0], int(lens.max())),
+                          batch.token_ids, batch.positions, _tensors(cache), tables, lens, batch.slots)
 
-    def _recording(self) -> bool:
-        """Whether this step is recorded (kernels.cpu.recording()); the runner told only on a change."""
+    def _call(self, fn, key: int, *args) -> torch.Tensor:
+        """fn(*args, key) on the runner, its calls replayed into kernels.cpu.recording() when one is
+        open (the runner is told of recording only when that changes)."""
         on = self._cpu.is_recording()
         if on != self._records:
             self.runner.recording = self._records = on
-        return on
+        out = fn(*args, key)
+        if on:
+            self._replay(key)
+        return out
 
     def _replay(self, key: int) -> None:
         names = self._cpu.FORMAT_NAMES

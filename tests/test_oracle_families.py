@@ -12,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.errors import MoetuneError
 from hf_oracle import FAMILY_CONFIGS, build_hf_model, hf_greedy, hf_logits, rel_err, save_checkpoint
+from test_runner import counted, teacher_forced
 
 PROMPT = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
 BACKENDS = ["reference", "cpu"]
@@ -78,22 +79,6 @@ def test_stepwise_decode_matches(oracle, knobs):
     assert rel_err(torch.stack(rows), ref[8:23]) < 1e-4
 
 
-def _teacher_forced(llm: LLM, prompts: list[list[int]], feeds: list[list[int]]) -> torch.Tensor:
-    """Prefill the prompts in one step, then decode feeds[k] (a token per sequence) step by step:
-    each decode step's logits [steps, B, vocab]."""
-    from engine.llm import RequestOutput
-    from engine.sampling import Sampler
-    from engine.scheduler import Request
-
-    params = SamplingParams(max_tokens=len(feeds) + 1)
-    reqs = [Request(RequestOutput(p), params, Sampler(params)) for p in prompts]
-    llm._step(reqs, prompts)
-    out = torch.stack([llm._step(reqs, [[t] for t in f]) for f in feeds])
-    for r in reqs:
-        llm.cache.release(r.seq)
-    return out
-
-
 @pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 5e-3)])
 def test_cpp_runner_matches_eager(oracle, dtype, bound):
     """graph_mode=cpp runs these families' decode steps in the C++ runner (GQA attention, biases, q/k
@@ -105,14 +90,11 @@ def test_cpp_runner_matches_eager(oracle, dtype, bound):
     g = torch.Generator().manual_seed(5)
     prompts, feeds = [PROMPT[:13], PROMPT[:4]], torch.randint(2, 300, (7, 2), generator=g).tolist()
     knobs = {"kv_block_size": 4}
-    eager = _teacher_forced(LLM(str(path), dtype=dtype, knobs={**knobs, "graph_mode": "eager"}, progress=False),
-                            prompts, feeds)
+    eager = teacher_forced(LLM(str(path), dtype=dtype, knobs={**knobs, "graph_mode": "eager"}, progress=False),
+                           prompts, feeds)
     llm = LLM(str(path), dtype=dtype, knobs={**knobs, "graph_mode": "cpp"}, progress=False)
-    runner, steps = llm.model.runner, []
-    assert runner is not None
-    real = runner.step_logits
-    runner.step_logits = lambda ids, *a: steps.append(len(ids)) or real(ids, *a)
-    got = _teacher_forced(llm, prompts, feeds)
+    steps = counted(llm)
+    got = teacher_forced(llm, prompts, feeds)
     assert steps == [2] * len(feeds)
     for k in range(len(feeds)):
         for b in range(2):
@@ -167,11 +149,8 @@ def test_runner_calls_take_their_kernel_tables(oracle):
     tables = {"cpu_paged_decode": [{"format": "f32", "batch": 1, "context": 16, "cpu_attn_kv_splits": 3}],
               "linear": [{"format": "f32", "tokens": 1, "cpu_linear_block_n": 16}]}
     llm = LLM(str(path), dtype="float32", knobs={"graph_mode": "cpp"}, kernel_tables=tables, progress=False)
-    assert llm.model.runner is not None
     out = llm.generate(PROMPT[:6], SamplingParams(max_tokens=1))[0]  # warm: the prompt ran eager
-    runner, steps = llm.model.runner, []
-    real = runner.step_logits
-    runner.step_logits = lambda ids, *a: steps.append(len(ids)) or real(ids, *a)
+    steps = counted(llm)
     with cpu.recording() as rec:
         llm.generate(PROMPT[:6] + out.token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
     assert steps == [1]  # the one decode step ran in the runner

@@ -36,8 +36,9 @@ def _llm(path, dtype="float32", **knobs) -> LLM:
     return LLM(str(path), dtype=dtype, knobs={"kv_block_size": 16, **knobs}, progress=False)
 
 
-def _counted(llm: LLM) -> list:
-    """Counts the runner's steps (fails the test if the runner is missing)."""
+def counted(llm: LLM) -> list:
+    """Counts the runner's steps, each as its number of sequences (fails the test if the runner is
+    missing); test_oracle_families.py uses it too."""
     runner = llm.model.runner
     assert runner is not None and runner.has_lm_head
     seen, real = [], runner.step_logits
@@ -50,7 +51,7 @@ def _counted(llm: LLM) -> list:
     return seen
 
 
-def _teacher_forced(llm: LLM, prompts: list[list[int]], feeds: list[list[int]]) -> torch.Tensor:
+def teacher_forced(llm: LLM, prompts: list[list[int]], feeds: list[list[int]]) -> torch.Tensor:
     """Prefill every prompt in one step, then decode feeds[k] (one token per sequence) step by step;
     the logits of every decode step [steps, B, vocab]."""
     params = SamplingParams(max_tokens=len(feeds) + 1, ignore_eos=True)
@@ -72,9 +73,9 @@ def oracle(request, tmp_path_factory):
 def test_decode_logits_match_transformers(oracle):
     model, path = oracle
     llm = _llm(path, graph_mode="cpp")
-    seen = _counted(llm)
+    seen = counted(llm)
     feeds = [[t] for t in torch.randint(2, 300, (5,), generator=torch.Generator().manual_seed(4)).tolist()]
-    got = _teacher_forced(llm, [PROMPT], feeds)[:, 0]
+    got = teacher_forced(llm, [PROMPT], feeds)[:, 0]
     assert seen == [1] * 5  # every decode step ran in the runner
     seq = PROMPT + [f[0] for f in feeds]
     ref = hf_logits(model, seq)[len(PROMPT):]
@@ -85,7 +86,7 @@ def test_decode_logits_match_transformers(oracle):
 def test_greedy_tokens_match_transformers(oracle):
     model, path = oracle
     llm = _llm(path, graph_mode="cpp")
-    seen = _counted(llm)
+    seen = counted(llm)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(seen) == 7
     assert out.token_ids == hf_greedy(model, PROMPT, 8)
@@ -97,10 +98,10 @@ def test_eager_and_cpp_agree(dtype, bound, batch):
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 20, 33)[:batch]]
     feeds = [torch.randint(2, 512, (batch,), generator=g).tolist() for _ in range(6)]
-    eager = _teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
+    eager = teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
     llm = LLM("tiny", dtype=dtype, knobs={"graph_mode": "cpp"}, progress=False)
-    seen = _counted(llm)
-    got = _teacher_forced(llm, prompts, feeds)
+    seen = counted(llm)
+    got = teacher_forced(llm, prompts, feeds)
     assert seen == [batch] * 6
     for k in range(6):
         for b in range(batch):
@@ -111,14 +112,14 @@ def test_eager_and_cpp_agree_on_a_grouped_softmax_model(oracle):
     _, path = oracle
     feeds = [[5, 9], [17, 3], [250, 101]]
     prompts = [PROMPT, PROMPT[:5]]
-    eager = _teacher_forced(_llm(path, graph_mode="eager"), prompts, feeds)
-    got = _teacher_forced(_llm(path, graph_mode="cpp"), prompts, feeds)
+    eager = teacher_forced(_llm(path, graph_mode="eager"), prompts, feeds)
+    got = teacher_forced(_llm(path, graph_mode="cpp"), prompts, feeds)
     assert rel_err(got, eager) < 1e-5
 
 
 def test_serial_threshold_changes_no_bit():
     prompts, feeds = [list(range(2, 30)), list(range(40, 49))], [[3, 4], [5, 6], [7, 8]]
-    outs = [_teacher_forced(LLM("tiny", dtype="bfloat16", progress=False,
+    outs = [teacher_forced(LLM("tiny", dtype="bfloat16", progress=False,
                                 knobs={"graph_mode": "cpp", "threads": 2, "cpu_serial_below_bytes": v}), prompts, feeds)
             for v in (0, 1 << 24)]
     assert torch.equal(outs[0], outs[1])
@@ -162,7 +163,7 @@ def test_runner_stays_off_where_it_does_not_apply(knobs):
 
 def test_prefill_steps_stay_eager():
     llm = LLM("tiny", dtype="float32", knobs={"graph_mode": "cpp"}, progress=False)
-    seen = _counted(llm)
+    seen = counted(llm)
     eager = LLM("tiny", dtype="float32", knobs={"graph_mode": "eager"}, progress=False)
     assert torch.equal(llm.logits(PROMPT), eager.logits(PROMPT))
     assert seen == []
@@ -202,10 +203,10 @@ def test_eager_and_cpp_agree_on_quantized_weights(fmt, dtype, tmp_path_factory):
     src = save_checkpoint(build_hf_model("v3_base"), tmp_path_factory.mktemp("src"))
     q = quantize_checkpoint(src, tmp_path_factory.mktemp(fmt) / fmt, fmt, progress=False)
     prompts, feeds = [PROMPT, PROMPT[:4]], [[5, 9], [17, 3], [250, 101], [7, 7]]
-    eager = _teacher_forced(_llm(q, dtype, graph_mode="eager"), prompts, feeds)
+    eager = teacher_forced(_llm(q, dtype, graph_mode="eager"), prompts, feeds)
     llm = _llm(q, dtype, graph_mode="cpp")
-    seen = _counted(llm)
-    got = _teacher_forced(llm, prompts, feeds)
+    seen = counted(llm)
+    got = teacher_forced(llm, prompts, feeds)
     assert seen == [2] * 4
     assert rel_err(got, eager) < (1e-5 if dtype == "float32" else 5e-3)
 
@@ -223,11 +224,11 @@ def test_the_runner_takes_the_int4_gemm_on_the_gemm_path(tmp_path_factory):
     feeds = [torch.randint(2, 300, (34,), generator=g).tolist() for _ in range(2)]
     model_only = [] if "avx512_vnni" in cpu.features() else ["avx512_vnni"]
     with cpu.emulate(model_only):
-        eager = _teacher_forced(_llm(q, graph_mode="eager"), prompts, feeds)
+        eager = teacher_forced(_llm(q, graph_mode="eager"), prompts, feeds)
         llm = _llm(q, graph_mode="cpp")
         assert llm.model.runner is not None
         with cpu.recording() as rec:
-            got = _teacher_forced(llm, prompts, feeds)
+            got = teacher_forced(llm, prompts, feeds)
     decode = [c for c in rec if c["op"] == "linear" and c["format"] == "int4" and c["tokens"] == 34]
     assert decode and all(c["isa"] == ("vnni-model" if model_only else "vnni") for c in decode), decode[:3]
     assert rel_err(got, eager) < 1e-5
@@ -240,10 +241,10 @@ def test_eager_and_cpp_agree_on_the_gemm_path(dtype, bound):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 512, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (34,), generator=g)]
     feeds = [torch.randint(2, 512, (34,), generator=g).tolist() for _ in range(2)]
-    eager = _teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
+    eager = teacher_forced(LLM("tiny", dtype=dtype, knobs={"graph_mode": "eager"}, progress=False), prompts, feeds)
     llm = LLM("tiny", dtype=dtype, knobs={"graph_mode": "cpp"}, progress=False)
-    seen = _counted(llm)
-    got = _teacher_forced(llm, prompts, feeds)
+    seen = counted(llm)
+    got = teacher_forced(llm, prompts, feeds)
     assert seen == [34, 34]
     for k in range(2):
         for b in range(34):

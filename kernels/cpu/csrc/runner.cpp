@@ -171,7 +171,7 @@ class DecodeRunner {
   void add_layer(const py::dict& lin, const py::dict& ten, bool moe) {
     Layer L;
     auto get = [&](const char* k) { return lin.contains(k) ? to_lin(lin[k]) : Lin(); };
-    auto norm = [&](const char* k) -> at::Tensor {
+    auto values = [&](const char* k) -> at::Tensor {  // float32 holding values of the model dtype
       if (!ten.contains(k) || ten[k].is_none()) return at::Tensor();
       at::Tensor t = ten[k].cast<at::Tensor>();
       return t.to(bf_ ? at::kBFloat16 : at::kFloat).to(at::kFloat).contiguous();
@@ -180,10 +180,10 @@ class DecodeRunner {
     L.q = get("q"), L.k = get("k"), L.v = get("v"), L.sh_gate = get("sh_gate");
     L.w13 = get("w13"), L.w2 = get("w2"), L.sh_gu = get("sh_gu"), L.sh_down = get("sh_down");
     L.gu = get("gu"), L.down = get("down"), L.router = get("router");
-    L.attn_norm = norm("attn_norm"), L.q_a_norm = norm("q_a_norm"), L.kv_a_norm = norm("kv_a_norm");
-    L.ffn_norm = norm("ffn_norm"), L.next_norm = norm("next_norm");
-    L.q_norm = norm("q_norm"), L.k_norm = norm("k_norm");
-    L.q_bias = norm("q_bias"), L.k_bias = norm("k_bias"), L.v_bias = norm("v_bias");  // values of the model dtype
+    L.attn_norm = values("attn_norm"), L.q_a_norm = values("q_a_norm"), L.kv_a_norm = values("kv_a_norm");
+    L.ffn_norm = values("ffn_norm"), L.next_norm = values("next_norm");
+    L.q_norm = values("q_norm"), L.k_norm = values("k_norm");
+    L.q_bias = values("q_bias"), L.k_bias = values("k_bias"), L.v_bias = values("v_bias");
     if (!gqa_) {
       // stored transposed, [H, inputs, outputs]: head_linear streams them with the outputs in the lanes
       L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).transpose(1, 2).contiguous();
@@ -195,10 +195,10 @@ class DecodeRunner {
       TORCH_CHECK(L.q.fmt >= 0 && L.k.fmt >= 0 && L.v.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
       TORCH_CHECK(L.q.N == H_ * Dh_ && L.k.N == Hkv_ * Dh_ && L.v.N == Hkv_ * Dh_ && L.o.K == H_ * Dh_,
                   "runner: q/k/v/o shapes do not match the heads");
-      for (const at::Tensor* b : {&L.q_bias, &L.k_bias, &L.v_bias, &L.q_norm, &L.k_norm})
-        TORCH_CHECK(!b->defined() || b->numel() == (b == &L.q_bias ? H_ * Dh_ : b == &L.q_norm || b == &L.k_norm
-                                                                               ? Dh_ : Hkv_ * Dh_),
-                    "runner: a GQA bias or norm weight of the wrong size");
+      auto fits = [](const at::Tensor& t, int64_t n) { return !t.defined() || t.numel() == n; };
+      TORCH_CHECK(fits(L.q_bias, H_ * Dh_) && fits(L.k_bias, Hkv_ * Dh_) && fits(L.v_bias, Hkv_ * Dh_) &&
+                      fits(L.q_norm, Dh_) && fits(L.k_norm, Dh_),
+                  "runner: a GQA bias or norm weight of the wrong size");
     } else {
       TORCH_CHECK(L.q_b.fmt >= 0 && L.kv_a.fmt >= 0 && L.o.fmt >= 0, "runner: attention weights missing");
     }
