@@ -799,7 +799,6 @@ void bind_runner(py::module_& m) {
       .def("set_embedding", &DecodeRunner::set_embedding, "the token embedding and the rotary angles' inv_freq, factor")
       .def_readonly("total_seconds", &DecodeRunner::total_s_)
       .def("forward", &DecodeRunner::forward, py::call_guard<py::gil_scoped_release>())
-      .def("forward_logits", &DecodeRunner::forward_logits, py::call_guard<py::gil_scoped_release>())
       .def("step_logits", &DecodeRunner::step_logits, py::arg("ids"), py::arg("positions"), py::arg("tables"),
            py::arg("cache"), py::arg("key"), py::call_guard<py::gil_scoped_release>(),
            "forward_logits from lists: token ids, positions, block tables (slots and lens derived)")
