@@ -75,7 +75,7 @@ struct Layer {
   Lin q, k, v, sh_gate;                                              // GQA projections; Qwen2-MoE's shared gate
   at::Tensor attn_norm, q_a_norm, kv_a_norm, ffn_norm, next_norm;    // float32, values of the model dtype
   at::Tensor q_norm, k_norm, q_bias, k_bias, v_bias;                 // GQA: per-head norms [d], biases (or undefined)
-  at::Tensor w_uk, w_uv;                                             // MLA: W_UKᵀ [H, N, R], W_UVᵀ [H, R, V], model dtype
+  at::Tensor w_uk, w_uv;  // MLA: W_UKᵀ [H, N, R], W_UVᵀ [H, R, V], model dtype, blocked by head_block (load_head_weight)
   at::Tensor bias;                                                   // router correction bias float32, or undefined
   bool moe = false;
 };
@@ -185,9 +185,8 @@ class DecodeRunner {
     L.q_norm = values("q_norm"), L.k_norm = values("k_norm");
     L.q_bias = values("q_bias"), L.k_bias = values("k_bias"), L.v_bias = values("v_bias");
     if (!gqa_) {
-      // stored transposed, [H, inputs, outputs]: head_linear streams them with the outputs in the lanes
-      L.w_uk = ten["w_uk"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).transpose(1, 2).contiguous();
-      L.w_uv = ten["w_uv"].cast<at::Tensor>().to(bf_ ? at::kBFloat16 : at::kFloat).transpose(1, 2).contiguous();
+      L.w_uk = load_head_weight(ten["w_uk"].cast<at::Tensor>());
+      L.w_uv = load_head_weight(ten["w_uv"].cast<at::Tensor>());
     }
     if (ten.contains("bias") && !ten["bias"].is_none()) L.bias = ten["bias"].cast<at::Tensor>().to(at::kFloat).contiguous();
     L.moe = moe;
@@ -476,47 +475,59 @@ class DecodeRunner {
     toc(pNorms, t0);
   }
 
+  // A per-head weight [H, B, A] (W_UK or W_UV, outputs × inputs) as head_linear reads it, in the model
+  // dtype: transposed (the outputs in the lanes) and cut into blocks of kHeadBlock outputs, each block
+  // [A, kHeadBlock] contiguous: [H, nb, A, bw] with bw = min(B, kHeadBlock) rounded up to 16 (zero
+  // columns past B). A block is one memory stream, and a thread's blocks follow each other.
+  static constexpr int64_t kHeadBlock = 256;  // 16 accumulators of 16 lanes: the register file's share
+  at::Tensor load_head_weight(const at::Tensor& w) const {
+    const int64_t H = w.size(0), B = w.size(1), A = w.size(2);
+    const int64_t bw = std::min<int64_t>(kHeadBlock, (B + 15) / 16 * 16), nb = (B + bw - 1) / bw;
+    at::Tensor t = at::zeros({H, A, nb * bw}, bf_ ? at::kBFloat16 : at::kFloat);
+    t.narrow(2, 0, B).copy_(w.transpose(1, 2));
+    return t.view({H, A, nb, bw}).permute({0, 2, 1, 3}).contiguous();
+  }
+
   // out [T, H, B] = per head w[h] · x[t, h] (kernels/reference.head_linear): x rows of A floats per head at
-  // stride hs; wt [H, A, B] the weight transposed at load, in the model dtype (converted in registers);
-  // float32 sums, rounded to the model dtype, written at out + (t * H + h) * ldo. Per input a, 16 × kAcc
-  // outputs take one broadcast of x[a] each: the weight is one stream, no horizontal sums. Heads in
-  // parallel when wt is large enough.
-  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& wt, float* out, int64_t ldo) {
+  // stride hs; wt [H, nb, A, bw] from load_head_weight (converted in registers); float32 sums, rounded to
+  // the model dtype, written at out + (t * H + h) * ldo. Per input a, the bw outputs of a block take one
+  // broadcast of x[a]: no horizontal sums, each output summed over a in order (one bmm's order). A task
+  // is one (head, block): one contiguous stream, whose rows prefetch the same row of the next block (the
+  // task this thread takes next under the static schedule), as the microkernels prefetch their next tile.
+  void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& wt, int64_t B, float* out,
+                   int64_t ldo) {
     const auto t0 = tic();
-    constexpr int kAcc = 16;
-    const int64_t B = wt.size(2), H = H_;
+    const int64_t H = wt.size(0), nb = wt.size(1), bw = wt.size(3);
+    TORCH_CHECK(H == H_ && wt.size(2) == A && nb * bw >= B && bw <= kHeadBlock, "runner: head weight shape");
     const bool wbf = wt.scalar_type() == at::kBFloat16;
+    const int64_t esz = wbf ? 2 : 4, row = bw * esz, blk = A * row;
     const uint8_t* wp = static_cast<const uint8_t*>(wt.data_ptr());
-    const int64_t esz = wbf ? 2 : 4;
     const bool par = !serial((int64_t)wt.nbytes()) && omp_get_max_threads() > 1;
 #pragma omp parallel for schedule(static) if (par)
-    for (int64_t h = 0; h < H; ++h) {
-      const uint8_t* wh = wp + h * A * B * esz;
+    for (int64_t task = 0; task < H * nb; ++task) {
+      const int64_t h = task / nb, b0 = (task % nb) * bw, nout = std::min(bw, B - b0);
+      const int nv = (int)((nout + 15) / 16);
+      const uint8_t* wb = wp + task * blk;
       for (int64_t t = 0; t < T; ++t) {
         const float* xr = x + (t * H + h) * hs;
-        float* o = out + (t * H + h) * ldo;
-        for (int64_t b0 = 0; b0 < B; b0 += 16 * kAcc) {
-          const int nv = (int)std::min<int64_t>(kAcc, (B - b0 + 15) / 16);
-          __m512 acc[kAcc];
-          for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_setzero_ps();
-          for (int64_t a = 0; a < A; ++a) {
-            const __m512 xa = _mm512_set1_ps(xr[a]);
-            const uint8_t* row = wh + (a * B + b0) * esz;
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t a = 0; a < A; ++a) {
+          const __m512 xa = _mm512_set1_ps(xr[a]);
+          const uint8_t* r = wb + a * row;
+          for (int64_t l = 0; l < row; l += 64) _mm_prefetch(reinterpret_cast<const char*>(r + blk + l), _MM_HINT_T0);
 #pragma GCC unroll 16
-            for (int i = 0; i < kAcc; ++i) {
-              if (i >= nv) break;
-              const __mmask16 m = tail_mask16(B - b0 - 16 * i);
-              const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                          _mm256_maskz_loadu_epi16(m, (const uint16_t*)row + 16 * i)), 16))
-                                    : _mm512_maskz_loadu_ps(m, (const float*)row + 16 * i);
-              acc[i] = _mm512_fmadd_ps(wv, xa, acc[i]);
-            }
-          }
-          for (int i = 0; i < nv; ++i) {
-            const __mmask16 m = tail_mask16(B - b0 - 16 * i);
-            _mm512_mask_storeu_ps(o + b0 + 16 * i, m, bf_ ? rnd16(acc[i]) : acc[i]);
+          for (int i = 0; i < 16; ++i) {
+            if (i >= nv) break;
+            const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + 32 * i))), 16))
+                                  : _mm512_loadu_ps((const float*)r + 16 * i);
+            acc[i] = _mm512_fmadd_ps(wv, xa, acc[i]);
           }
         }
+        float* o = out + (t * H + h) * ldo + b0;
+        for (int i = 0; i < nv; ++i)
+          _mm512_mask_storeu_ps(o + 16 * i, tail_mask16(nout - 16 * i), bf_ ? rnd16(acc[i]) : acc[i]);
       }
     }
     toc(pHead, t0);
@@ -559,7 +570,7 @@ class DecodeRunner {
       }
       toc(pRope, t0);
     }
-    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
+    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, R_, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
     const auto t0 = tic();
     at::Tensor out_lat;
     {
@@ -574,7 +585,7 @@ class DecodeRunner {
     float* ol = out_lat.data_ptr<float>();  // [T, H, R]
     round_all(ol, T * H_ * R_);
     oin_.resize(T * H_ * V_);
-    head_linear(ol, T, R_, R_, L.w_uv, oin_.data(), V_);  // [T, H, V]
+    head_linear(ol, T, R_, R_, L.w_uv, V_, oin_.data(), V_);  // [T, H, V]
     a_.resize(T * D_);
     linear(L.o, oin_.data(), T, a_.data(), kn[kO], bf_, pLinAttn, i, kO);
     round_all(a_.data(), T * D_);
