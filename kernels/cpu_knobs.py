@@ -39,6 +39,11 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "
          "permuted to match (widen; exact, half the instructions; block K a multiple of 64, else vector)",
          choices=("vector", "lut", "widen")),
+    Knob("cpu_bf16_method", str, "split", "kernels/cpu",
+         "CPU BF16 weights on float32 FMAs (where no AVX512-BF16 dot product runs): each bf16 widened to "
+         "its own float32 lane (widen), or the two bf16 of each 32-bit lane split by a shift and a mask "
+         "against activations de-interleaved to match (split; half the load and conversion "
+         "instructions)", choices=("widen", "split")),
     Knob("cpu_int4_method", str, "int8", "kernels/cpu",
          "CPU INT4 weights: integer products against activations quantized per token to int16 (int16; "
          "groups of a multiple of 64), byte products against activations quantized per token and group "

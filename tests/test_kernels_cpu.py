@@ -433,3 +433,24 @@ def test_probe_readers_return_a_duration_and_refuse_bad_arguments():
     for streams, ahead in ((0, 1024), (17, 1024), (4, -1)):
         with pytest.raises(RuntimeError, match="1..16 streams"):
             ext.read_seconds_streams(buf, streams, ahead)
+
+
+@pytest.mark.parametrize("k", [1, 2, 17, 31, 32, 33, 95, 1000])
+def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
+    """cpu_bf16_method=split (two bf16 per 32-bit lane split by a shift and a mask, activations
+    de-interleaved per 32) against the reference and the widen method: every rows × tokens tile, row
+    lengths that end mid-pair and mid-chunk (the masked tail), token counts that leave pairs and
+    singles; float32 activations within TIGHT (only the order of the additions differs)."""
+    g = torch.Generator().manual_seed(k)
+    w = cpu.prepare(formats.DenseWeight(torch.randn(37, k, generator=g).to(torch.bfloat16)))
+    for t in (1, 2, 3, 7):
+        x = torch.randn(t, k, generator=g)
+        ref = reference.linear(x, w.orig)
+        for rows in (4, 8):
+            for tokens in (1, 2, 4):
+                base = {"cpu_micro_rows": rows, "cpu_micro_tokens": tokens, "cpu_gemm_min_tokens": 64,
+                        "cpu_bf16_isa": "avx512"}
+                split = cpu.linear(x, w, knobs={**base, "cpu_bf16_method": "split"})
+                widen = cpu.linear(x, w, knobs={**base, "cpu_bf16_method": "widen"})
+                check(split, ref, TIGHT, f"split K={k} T={t} {rows}x{tokens}")
+                check(split, widen, TIGHT, f"split vs widen K={k} T={t} {rows}x{tokens}")

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // declarations exactly (a mismatch cannot load).
   py::enum_<moetune::Fp8Method>(m, "Fp8Method")
       .value("vector", moetune::kFp8Vector).value("lut", moetune::kFp8Lut).value("widen", moetune::kFp8Widen);
+  py::enum_<moetune::Bf16Method>(m, "Bf16Method")
+      .value("widen", moetune::kBf16Widen).value("split", moetune::kBf16Split);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")
@@ -63,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("gemm_min_tokens", &Knobs::gemm_min_tokens)
       .def_readwrite("gemm_block_n", &Knobs::gemm_block_n)
       .def_readwrite("fp8_method", &Knobs::fp8_method)
+      .def_readwrite("bf16_method", &Knobs::bf16_method)
       .def_readwrite("int4_method", &Knobs::int4_method)
       .def_readwrite("task_chunk", &Knobs::task_chunk)
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)

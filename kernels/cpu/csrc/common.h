@@ -19,10 +19,13 @@ namespace moetune {
 enum Format : int {
   kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
   kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
-  kFp8Dp = 14, kFp8DpModel = 15,
+  kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16,
 };
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
+// cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or
+// the two bf16 of each 32-bit lane split by a shift and a mask against de-interleaved activations (split).
+enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
@@ -57,10 +60,11 @@ struct WeightView {
   bool int4_int = false;         // int4: integer products with int16 activations (group % 64 == 0)
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
+  bool bf16_split = false;       // bf16 on float FMAs: the split microkernel on de-interleaved activations
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
-  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = false; dot = kDotNone; }
+  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = bf16_split = false; dot = kDotNone; }
 };
 
 // Every per-call knob of kernels/cpu_knobs.py, named as in the catalogue without "cpu_" (bound by
@@ -74,6 +78,7 @@ struct Knobs {
   int64_t gemm_min_tokens = 0;   // from this many tokens (per expert in MoE) use unpack + BLAS
   int64_t gemm_block_n = 0;      // rows unpacked per BLAS call (the weight-unpack cache block)
   Fp8Method fp8_method = (Fp8Method)-1;
+  Bf16Method bf16_method = (Bf16Method)-1;
   Int4Method int4_method = (Int4Method)-1;
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present

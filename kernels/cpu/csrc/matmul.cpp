@@ -32,6 +32,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kInt4: return get_micro_int4(rows, tokens);
     case kInt4i: return get_micro_int4i(rows, tokens);
     case kFp8w: return get_micro_fp8w(rows, tokens);
+    case kBF16s: return get_micro_bf16s(rows, tokens);
     case kInt4b: return get_micro_int4b(rows, tokens);
     case kInt8Dp: case kInt8DpModel: return get_micro_int8_dot(fmt, rows, tokens);
     case kInt4bDp: case kInt4bDpModel: return get_micro_int4_dot(fmt, rows, tokens);
@@ -80,6 +81,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   }
   v.act_bf16 = act_bf16;
   v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
+  v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method == kBf16Split;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
@@ -93,12 +95,13 @@ void Knobs::check() const {
                   amx_min_tokens >= 1 && dot_gemm_min_tokens >= 1,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "dot_gemm_min_tokens must be ≥ 1");
-  TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && int4_method >= kInt4Float &&
+  TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
+                  bf16_method <= kBf16Split && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni,
-              "fp8_method, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm must be set");
+              "fp8_method, bf16_method, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -148,6 +151,7 @@ Act PreparedAct::view() const {  // INT4 integer path: both forms, the same padd
   }
   if (gsumq.defined()) a.gsumq = gsumq.data_ptr<float>();
   if (xp.defined()) a.xp = xp.data_ptr<float>();
+  if (xd.defined()) a.xd = xd.data_ptr<float>();
   if (xu.defined()) a.xu = xu.data_ptr<uint8_t>();
   if (xh.defined()) a.xh = reinterpret_cast<const uint16_t*>(xh.data_ptr<at::BFloat16>());
   if (xb.defined()) {
@@ -206,6 +210,18 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) std::memcpy(d + m * kp, src + m * ld, K * sizeof(float));
   });
+  if (W.fmt == kBF16 && W.bf16_split) {  // the split microkernel's order: per 32, the 16 even, then the 16 odd
+    p.xd = act_buf(pool, 11, K, {M, kp}, at::kFloat, kUninit);
+    float* o = p.xd.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        for (int64_t k0 = 0; k0 < kp; k0 += 32)
+          for (int64_t i = 0; i < 16; ++i) {
+            o[m * kp + k0 + i] = d[m * kp + k0 + 2 * i];
+            o[m * kp + k0 + 16 + i] = d[m * kp + k0 + 2 * i + 1];
+          }
+    });
+  }
   if (W.fmt == kFp8 && W.fp8_widen) {  // the widen microkernel's order, × 2^60
     p.xp = act_buf(pool, 4, K, {M, kp}, at::kFloat, kUninit);
     float* o = p.xp.data_ptr<float>();
@@ -320,6 +336,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
                   : W.fmt == kBF16 && bf16dot                 ? (model ? kBF16DpModel : kBF16Dp)
                   : W.fmt == kFp8 && bf16dot                  ? (model ? kFp8DpModel : kFp8Dp)
                   : W.fmt == kFp8 && W.fp8_widen              ? kFp8w
+                  : W.fmt == kBF16 && W.bf16_split            ? kBF16s
                                                               : W.fmt;
   // MT tokens per tile while that many are left, then pairs, then single tokens
   MicroFn fn = get_micro(fmt, R, MT), fn2 = MT > 2 ? get_micro(fmt, R, 2) : nullptr;

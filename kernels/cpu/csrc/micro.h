@@ -20,6 +20,7 @@ struct Act {
   const float* xp = nullptr;     // FP8 widen path: float rows × 2^60, permuted per 64 (fp8_widen_order)
   const uint8_t* xu = nullptr;   // INT8 VNNI path: the int8 rows + 128 as uint8 (micro_dot.inc)
   const uint16_t* xh = nullptr;  // BF16 dot path: bf16 rows (FP8: × 2^60, permuted per 64, micro_dot.inc)
+  const float* xd = nullptr;     // BF16 split path: float rows de-interleaved per 32 (micro_bf16s)
   int64_t ld = 0, gld = 0;
 };
 
@@ -40,6 +41,7 @@ MicroFn get_micro_int4(int rows, int tokens);
 MicroFn get_micro_int4i(int rows, int tokens);
 MicroFn get_micro_fp8w(int rows, int tokens);
 MicroFn get_micro_int4b(int rows, int tokens);
+MicroFn get_micro_bf16s(int rows, int tokens);
 // The dot-product variants (micro_dot.inc): fmt is one of kInt8Dp .. kFp8DpModel
 MicroFn get_micro_int8_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_int4_dot(int fmt, int rows, int tokens);
@@ -382,6 +384,50 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
     for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }
 
+// BF16 by split lanes ("split", cpu_bf16_method): a 64-byte load holds 32 bf16, two per 32-bit lane; the
+// even element of each pair becomes float32 by a shift left by 16, the odd one by masking the low half
+// away: 2 integer instructions and 1 load per 32 weights, where widening each bf16 to its own lane takes
+// 4 and 2 (a vpmovzxwd, on the FMA ports' shuffle unit, per 16). The activations are de-interleaved to
+// match once per call (per 32: the 16 even, then the 16 odd; Act::xd). Exact products, float32 sums: the
+// same value as widen up to the order of the additions.
+template <int R, int MT>
+void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
+  const uint16_t* row[R];
+  const uint8_t* nrow[R];
+  const float* x[MT];
+  for (int r = 0; r < R; ++r) {
+    row[r] = reinterpret_cast<const uint16_t*>(W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes);
+    nrow[r] = next + r * W.row_bytes;
+  }
+  for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
+  const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t K = W.K;
+  // whole chunks, then the masked tail (a load chosen per chunk inside one loop made GCC keep the
+  // accumulators on the stack); one prefetch per row per chunk: a chunk is one 64-byte line
+  auto step = [&](int64_t k, __mmask32 tail) __attribute__((always_inline)) {
+    __m512 xe[MT], xo[MT];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) xe[m] = _mm512_loadu_ps(x[m] + k), xo[m] = _mm512_loadu_ps(x[m] + k + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(nrow[r] + 2 * k), _MM_HINT_T0);
+      const __m512i w = tail ? _mm512_maskz_loadu_epi16(tail, row[r] + k) : _mm512_loadu_si512((const void*)(row[r] + k));
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(wo, xo[m], _mm512_fmadd_ps(we, xe[m], acc[r][m]));
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, 0);
+  if (k < K) step(k, tail_mask32(K - k));
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
+}
+
 // The (rows, tokens) instantiations of one format: rows 4 or 8, tokens 1, 2 or 4.
 template <int F, int R>
 MicroFn pick_tokens(int tokens) {
@@ -391,6 +437,8 @@ MicroFn pick_tokens(int tokens) {
     switch (tokens) { case 1: return micro_int4i<R, 1>; case 2: return micro_int4i<R, 2>; case 4: return micro_int4i<R, 4>; }
   } else if constexpr (F == kInt4b) {
     switch (tokens) { case 1: return micro_int4b<R, 1>; case 2: return micro_int4b<R, 2>; case 4: return micro_int4b<R, 4>; }
+  } else if constexpr (F == kBF16s) {
+    switch (tokens) { case 1: return micro_bf16s<R, 1>; case 2: return micro_bf16s<R, 2>; case 4: return micro_bf16s<R, 4>; }
   } else if constexpr (F == kFp8w) {
     switch (tokens) { case 1: return micro_fp8w<R, 1>; case 2: return micro_fp8w<R, 2>; case 4: return micro_fp8w<R, 4>; }
   } else {

@@ -56,13 +56,13 @@ std::string used_variants();
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16
 // quantized rows + scales. Owns its buffers.
 struct PreparedAct {
-  at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb, xu, xh;
+  at::Tensor xf, xq, xs, gsum, gsumq, xp, xb, xbs, gsb, xu, xh, xd;
   Act view() const;
 };
 // A call site's reusable activation buffers (the decode runner keeps one per knob slot): a buffer is
 // reallocated only when its shape, dtype or K changes, so a decode step allocates none.
 struct ActPool {
-  static constexpr int kBufs = 11;
+  static constexpr int kBufs = 12;
   at::Tensor t[kBufs];
   int64_t k[kBufs] = {};
 };
