@@ -12,9 +12,10 @@
 // The weights are handed over once, at load (add_layer); the per-call knob structs once per token
 // bucket (set_knobs); a step passes only its activations and cache metadata.
 //
-// Small ops run on the calling thread: an op reading fewer than serial_below bytes of weights (or of
-// KV cache) runs with one OpenMP thread, skipping the fork/join of a parallel region whose work is
-// below its cost (knob cpu_serial_below_bytes; 0: every op parallel as the eager path).
+// Small ops run on the calling thread: an op reading fewer than serial_below bytes of weights (attention:
+// the layer's KV cache bytes × the query heads that read each KV row, attn_work) runs with one OpenMP
+// thread, skipping the fork/join of a parallel region whose work is below its cost (knob
+// cpu_serial_below_bytes; 0: every op parallel as the eager path).
 #include <torch/csrc/utils/pybind.h>
 #include <omp.h>
 #include <algorithm>
@@ -381,7 +382,7 @@ class DecodeRunner {
   double part_s_[kParts] = {};
   int64_t part_n_[kParts] = {};
   std::vector<int64_t> experts_used_;
-  int64_t kv_bytes_ = 0;
+  int64_t kv_bytes_ = 0;  // one layer's KV cache bytes that this step's attention reads
   double total_s_ = 0;  // the last step's whole call (timing on)
   int64_t serial_below_;
 
@@ -431,6 +432,9 @@ class DecodeRunner {
     if (recording) calls_.emplace_back(op, fmt, tokens, layer, slot, used_variants());
   }
   bool serial(int64_t bytes) const { return bytes < serial_below_; }
+  // Attention's size for serial(): the layer's KV bytes (kv_bytes_ is one layer's) × the query heads per KV
+  // head, as its arithmetic grows with both (MLA: every head reads the one latent row of a key).
+  int64_t attn_work() const { return kv_bytes_ * (gqa_ ? H_ / std::max<int64_t>(1, Hkv_) : H_); }
 
   // out [M, N] float32 = x [M, K] · Wᵀ, as moetune::linear (the same paths and knobs) on float rows.
   // The activations go through the slot's buffers (pool: lm_head's own), allocated once.
@@ -574,7 +578,7 @@ class DecodeRunner {
     const auto t0 = tic();
     at::Tensor out_lat;
     {
-      SerialScope one(serial(kv_bytes_ / (int64_t)layers_.size()));
+      SerialScope one(serial(attn_work()));
       reset_used();
       at::Tensor q = at::from_blob(qcat_.data(), {T, H_, W}, at::kFloat);
       at::Tensor rows = at::from_blob(rows_.data(), {T, W}, at::kFloat);
@@ -654,7 +658,7 @@ class DecodeRunner {
     }
     at::Tensor out;
     {
-      SerialScope one(serial(kv_bytes_ / (int64_t)layers_.size()));
+      SerialScope one(serial(attn_work()));
       reset_used();
       const at::Tensor q = at::from_blob(qcat_.data(), {T, H_, d}, at::kFloat);
       out = attn_decode(q, kviews_[i], vviews_[i], tables, lens, scale_, none_, none_, no_slots_, kn[kAttn]);
