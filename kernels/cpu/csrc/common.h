@@ -61,6 +61,7 @@ struct WeightView {
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
   bool bf16_split = false;       // bf16 on float FMAs: the split microkernel on de-interleaved activations
+  int64_t prefetch_ahead = 0;    // microkernels: bytes ahead in a row that its prefetch reads (0: next tile)
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
@@ -83,6 +84,7 @@ struct Knobs {
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
+  int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;

@@ -54,20 +54,26 @@ constexpr int64_t row_offset(int64_t k) {
   return F == kF32 ? k * 4 : F == kBF16 ? k * 2 : F == kInt4 ? k / 2 : k;
 }
 
-// Software prefetch of the next register tile's row (at the position this tile is reading): short
-// rows (INT8/FP8/INT4 at K ≈ 2K) would otherwise start a new hardware-prefetch stream every tile, and
-// the hardware streams stop at every 4 KiB page. The caller names the next tile, so the jump to
-// another matrix or expert (gate → up, expert → expert, task → task) is prefetched too.
-// One prefetch per 64-byte line: a step reading less than a line (INT8/FP8: 32 bytes, INT4: 16 or 32)
-// skips the others, as a prefetch that finds its line already in flight still takes a fill-buffer
-// lookup, and those stall once every buffer is busy (measured: INT4 `small` 2.95 → see docs).
-template <int F>
-inline void prefetch_row(const uint8_t* next_row, int64_t k) {
+// Software prefetch of the weight rows, one 64-byte line per line the tile reads (a step reading less
+// than a line, INT8/FP8: 32 bytes, INT4: 16 or 32, skips the others: a prefetch that finds its line
+// already in flight still takes a fill-buffer lookup, and those stall once every buffer is busy).
+// W.prefetch_ahead > 0 (knob cpu_prefetch_ahead): each row's own line that many bytes ahead, and past the
+// row's end the same place in the next tile's rows (`next_row`: the rows the caller reads after this
+// tile, so the jump to another matrix, expert or task is prefetched too). 0: the next tile's rows at the
+// offset this tile is reading (a whole tile ahead: right for short rows, but 4 rows × 7 KiB ahead on
+// DeepSeek-V3's gate/up overran L1: 22 GB/s against 28 with 1 KiB ahead, docs/cpu_kernels.md).
+template <int F, class T>
+inline void prefetch_row(const T* row, const uint8_t* next_row, int64_t k, const WeightView& W) {
   const int64_t off = row_offset<F>(k);
   if (off & 63) return;
-  const char* p = reinterpret_cast<const char*>(next_row + off);
-  _mm_prefetch(p, _MM_HINT_T0);
-  if constexpr (F == kF32) _mm_prefetch(p + 64, _MM_HINT_T0);
+  const int64_t at = off + W.prefetch_ahead;
+  const uint8_t* p = W.prefetch_ahead == 0 ? next_row + off
+                     : at < W.row_bytes    ? reinterpret_cast<const uint8_t*>(row) + at
+                                           : next_row + (at - W.row_bytes);
+  // prefetcht0 as inline assembly: GCC 12 silently dropped _mm_prefetch of this address (chosen between
+  // two rows) from the dot-product kernels' loops (objdump: no prefetch left in micro_int8_dp)
+  asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(p)));
+  if constexpr (F == kF32) asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(p + 64)));
 }
 
 template <int F, int R, int MT>
@@ -107,7 +113,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512 a, b;
-        prefetch_row<F>(nrow[r], k);
+        prefetch_row<F>(row[r], nrow[r], k, W);
         Loader<F>::load(W, row[r], k, ke - k, a, b);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; ++m) part[r][m] = _mm512_fmadd_ps(b, xb[m], _mm512_fmadd_ps(a, xa[m], part[r][m]));
@@ -155,7 +161,7 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
     const bool full = k + 32 <= K;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      prefetch_row<kInt8>(nrow[r], k);
+      prefetch_row<kInt8>(row[r], nrow[r], k, W);
       __m256i b = full ? _mm256_loadu_si256((const __m256i*)(row[r] + k))
                        : _mm256_maskz_loadu_epi8(tail_mask32(K - k), row[r] + k);
       __m512i w = _mm512_cvtepi8_epi16(b);
@@ -237,7 +243,7 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_row<kInt4>(tl.nrow[r], k);
+        prefetch_row<kInt4>(tl.row[r], tl.nrow[r], k, W);
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tl.row[r] + k / 2)));
         const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_srli_epi16(v, 4);
 #pragma GCC unroll 4
@@ -291,7 +297,7 @@ void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_row<kInt4>(tl.nrow[r], k);
+        prefetch_row<kInt4>(tl.row[r], tl.nrow[r], k, W);
         const __m512i v = _mm512_loadu_si512((const void*)(tl.row[r] + k / 2));
         const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 #pragma GCC unroll 4
@@ -361,7 +367,7 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
       const bool full = k + 64 <= K;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        prefetch_row<kFp8>(nrow[r], k);
+        prefetch_row<kFp8>(row[r], nrow[r], k, W);
         const __m512i b = full ? _mm512_loadu_si512((const void*)(row[r] + k))
                                : _mm512_maskz_loadu_epi8((__mmask64)((~0ull) >> (64 - (K - k))), row[r] + k);
         const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, b), 4), keep);
@@ -407,14 +413,14 @@ void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t K = W.K;
   // whole chunks, then the masked tail (a load chosen per chunk inside one loop made GCC keep the
-  // accumulators on the stack); one prefetch per row per chunk: a chunk is one 64-byte line
+  // accumulators on the stack); a chunk is one 64-byte line
   auto step = [&](int64_t k, __mmask32 tail) __attribute__((always_inline)) {
     __m512 xe[MT], xo[MT];
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) xe[m] = _mm512_loadu_ps(x[m] + k), xo[m] = _mm512_loadu_ps(x[m] + k + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(nrow[r] + 2 * k), _MM_HINT_T0);
+      prefetch_row<kBF16>(row[r], nrow[r], k, W);
       const __m512i w = tail ? _mm512_maskz_loadu_epi16(tail, row[r] + k) : _mm512_loadu_si512((const void*)(row[r] + k));
       const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
 #pragma GCC unroll 4
