@@ -236,19 +236,25 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack")
 
 
+def instruction_counts(ops: tuple[str, ...]) -> dict[str, int]:
+    """Per function of the built extension (objdump, demangled), how many of its instructions are one of `ops`."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
+                         text=True, check=True).stdout
+    counts, fn = {}, ""
+    for line in out.splitlines():
+        if line.endswith(">:") and "<" in line:
+            fn = line[line.index("<") + 1:-2]
+            counts.setdefault(fn, 0)
+        elif fn and any(op in line for op in ops):
+            counts[fn] += 1
+    return counts
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_dot_instructions_appear_only_in_dispatched_functions():
     """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
     in the functions compiled for them (dot_hw kernels, the dot-product GEMM's native blocks, the probe's peaks, the AMX tile class)."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
-                         text=True, check=True).stdout
-    where, fn = {}, ""
-    for line in out.splitlines():
-        if line.endswith(">:") and "<" in line:
-            fn = line[line.index("<") + 1:-2]
-        elif any(op in line for op in ("vpdpbusd", "vdpbf16ps", "tdpb", "tileloadd")):
-            where.setdefault(fn, 0)
-            where[fn] += 1
+    where = {f: n for f, n in instruction_counts(("vpdpbusd", "vdpbf16ps", "tdpb", "tileloadd")).items() if n}
     assert where, "no dot-product instruction at all: the variants were not compiled"
     allowed = ("dot_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "int4_block_hw", "vnni_int8_gops", "bf16_dot_gflops",
                "AmxHw", "amx_peak_gops")
@@ -262,16 +268,8 @@ def test_every_microkernel_keeps_its_weight_prefetch():
     """Each microkernel instantiation (every format, native dot and model, rows × tokens) contains the
     software prefetch of its weight rows (cpu_prefetch_ahead): GCC 12 once dropped _mm_prefetch of
     that address from the dot-product kernels without a word, which cost 10-25 % of their bandwidth."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
-                         text=True, check=True).stdout
-    prefetches, fn = {}, ""
-    for line in out.splitlines():
-        if line.endswith(">:") and "<" in line:
-            fn = line[line.index("<") + 1:-2]
-            if "moetune::" in fn and "micro_" in fn and "(moetune::WeightView const&, long, moetune::Act const&" in fn:
-                prefetches[fn] = 0
-        elif fn in prefetches and "prefetcht0" in line:
-            prefetches[fn] += 1
+    prefetches = {f: n for f, n in instruction_counts(("prefetcht0",)).items()
+                  if "micro_" in f and "(moetune::WeightView const&, long, moetune::Act const&" in f}
     assert len(prefetches) >= 6 * 12, sorted(prefetches)  # 12+ kernels × (rows 4, 8) × (tokens 1, 2, 4)
     missing = [f for f, n in prefetches.items() if n == 0]
     assert not missing, missing
