@@ -3,7 +3,9 @@
     python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
 
 A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
-Round r calls every variant once, in order, on the r-th of the suite's routings; after 2 warm-up rounds the
+Round r calls every variant once, in order, each call on a routing of its own (the suite's routings ×
+variants, in turn: no call routes to the experts of the call before it, which the last-level cache would
+still hold, as the variants of one format share their weights); after 2 warm-up rounds the
 median and p10–p90 of each variant are printed with its GB/s (weight bytes of the experts touched)
 and its speed relative to the first variant. On a shared machine the figures drift between runs,
 but the variants of one run share the drift. That makes this the tool for ratios, such as FP8 vs
@@ -34,6 +36,14 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return fmt, knobs
 
 
+def call_routing(r: int, j: int, variants: int) -> int:
+    """The routing of round r's call of variant j, among ROUTINGS × variants: each call's own in turn, so
+    consecutive calls never route to the same experts."""
+    from suites.kernels import ROUTINGS
+
+    return (r * variants + j) % (ROUTINGS * variants)
+
+
 def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdout) -> list[dict]:
     import kernels.cpu as cpu
     from suites.kernels import ROUTINGS, expert_bytes, random_routes, random_weight
@@ -49,14 +59,17 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
             w2 = cpu.prepare(random_weight((e, d, i), fmt, g))
             weights[fmt] = (w13, w2, expert_bytes(w13, w2))
     x = torch.randn(tokens, d, generator=g).to(torch.bfloat16)
-    routes = random_routes(tokens, e, k, g)
+    # ROUTINGS routings per variant, and no call on the routing of the call before it: variants of one
+    # format share their weights, so a variant run right after another on the same experts would find
+    # them in the last-level cache
+    routes = random_routes(tokens, e, k, g, n=ROUTINGS * len(parsed))
     touched = statistics.mean(len(ids.unique()) for _, ids in routes)
     times: list[list[float]] = [[] for _ in parsed]
     for r in range(repeats + 2):
         for j, (fmt, knobs) in enumerate(parsed):
             w13, w2, _ = weights[fmt]
             t0 = time.perf_counter()
-            cpu.fused_moe(x, w13, w2, *routes[r % ROUTINGS], knobs=knobs)
+            cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=knobs)
             if r >= 2:
                 times[j].append(time.perf_counter() - t0)
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
