@@ -31,9 +31,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "takes it instead of the register microkernel; it packs its own weight blocks, with no float32 "
          "unpack, so it wins from fewer rows than cpu_gemm_min_tokens' unpack + BLAS (measured: INT8 / INT4 "
          "from 8-16 rows on an Emerald Rapids VM)", low=1, high=4096, log=True),
-    Knob("cpu_prefetch_ahead", int, 1024, "kernels/cpu",
-         "CPU microkernels: how many bytes ahead in its own row each weight row is prefetched (past the "
-         "row's end: the same place in the next tile's rows); 0: the next tile's rows at the offset being "
+    Knob("cpu_prefetch_ahead", int, 2048, "kernels/cpu",
+         "CPU microkernels: how many bytes ahead in its own row each weight row is prefetched, at most a "
+         "row (past the row's end: the same place in the next tile's rows; a row no longer than this "
+         "prefetches the next tile at the offset being read); 0: always the next tile at the offset being "
          "read (a whole tile ahead, which overruns L1 on long rows)", choices=(0, 256, 512, 1024, 2048, 4096)),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",

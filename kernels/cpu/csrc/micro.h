@@ -57,16 +57,18 @@ constexpr int64_t row_offset(int64_t k) {
 // Software prefetch of the weight rows, one 64-byte line per line the tile reads (a step reading less
 // than a line, INT8/FP8: 32 bytes, INT4: 16 or 32, skips the others: a prefetch that finds its line
 // already in flight still takes a fill-buffer lookup, and those stall once every buffer is busy).
-// W.prefetch_ahead > 0 (knob cpu_prefetch_ahead): each row's own line that many bytes ahead, and past the
-// row's end the same place in the next tile's rows (`next_row`: the rows the caller reads after this
-// tile, so the jump to another matrix, expert or task is prefetched too). 0: the next tile's rows at the
-// offset this tile is reading (a whole tile ahead: right for short rows, but 4 rows × 7 KiB ahead on
-// DeepSeek-V3's gate/up overran L1: 22 GB/s against 28 with 1 KiB ahead, docs/cpu_kernels.md).
+// W.prefetch_ahead > 0 (knob cpu_prefetch_ahead): each row's own line that many bytes ahead (at most a
+// row), and past the row's end the same place in the next tile's rows (`next_row`: the rows the caller
+// reads after this tile, so the jump to another matrix, expert or task is prefetched too); a row no
+// longer than the distance therefore prefetches the next tile's line at the offset it reads, as 0 does.
+// The next tile is a whole tile ahead: right for short rows (2 KiB INT8: 5 % faster than 1 KiB ahead),
+// but 4 rows × 7 KiB ahead on DeepSeek-V3's gate/up overran L1 (22 GB/s against 28, docs/cpu_kernels.md).
 template <int F, class T>
 inline void prefetch_row(const T* row, const uint8_t* next_row, int64_t k, const WeightView& W) {
   const int64_t off = row_offset<F>(k);
   if (off & 63) return;
-  const int64_t at = off + W.prefetch_ahead;
+  // at most a row ahead: on a row no longer than the distance, the next tile's line at this offset
+  const int64_t at = off + (W.prefetch_ahead < W.row_bytes ? W.prefetch_ahead : W.row_bytes);
   const uint8_t* p = W.prefetch_ahead == 0 ? next_row + off
                      : at < W.row_bytes    ? reinterpret_cast<const uint8_t*>(row) + at
                                            : next_row + (at - W.row_bytes);
