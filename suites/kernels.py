@@ -269,17 +269,25 @@ def bf16_randn(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bfloat16).normal_(generator=g)
 
 
+def paged_latent_cache(g: torch.Generator, b: int, context: int, dk: int, n_blocks: int):
+    """A bf16 latent cache of n_blocks shuffled blocks of CACHE_BLOCK rows [dk], cut into as many disjoint
+    regions (block tables [b, blocks per sequence]) as it holds, and the sequence lengths: consecutive
+    calls on other regions read the cache from DRAM."""
+    per_seq = -(-context // CACHE_BLOCK)
+    need = b * per_seq
+    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, dk)
+    order = torch.randperm(n_blocks, generator=g).to(torch.int32)
+    regions = [order[i * need:(i + 1) * need].view(b, per_seq) for i in range(n_blocks // need)]
+    return cache, regions, torch.full((b,), context, dtype=torch.int32)
+
+
 def bench_mla_decode(shape: AttnShape, b: int, context: int, repeats: int, g: torch.Generator) -> dict:
     import kernels.cpu as cpu
     from kernels import reference
 
-    per_seq = -(-context // CACHE_BLOCK)
-    need = b * per_seq
-    n_blocks = max(2 * need, POOL_BYTES // (CACHE_BLOCK * shape.dk * 2))
-    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, shape.dk)
-    order = torch.randperm(n_blocks, generator=g).to(torch.int32)
-    regions = [order[i * need:(i + 1) * need].view(b, per_seq) for i in range(n_blocks // need)]
-    lens = torch.full((b,), context, dtype=torch.int32)
+    need = b * -(-context // CACHE_BLOCK)
+    cache, regions, lens = paged_latent_cache(g, b, context, shape.dk,
+                                              max(2 * need, POOL_BYTES // (CACHE_BLOCK * shape.dk * 2)))
     q_lat, q_pe = bf16_randn(g, b, shape.h, shape.dv), bf16_randn(g, b, shape.h, shape.dk - shape.dv)
     scale = 192 ** -0.5
 

@@ -15,8 +15,8 @@ if missing_isa():
     pytest.skip(f"this CPU lacks {missing_isa()}: the cpu backend cannot run here", allow_module_level=True)
 
 import kernels.cpu as cpu  # noqa: E402
-from suites.kernels import (CACHE_BLOCK, MoeShape, bf16_randn, expert_bytes, random_routes,  # noqa: E402
-                            random_weight, weight_copies)
+from suites.kernels import (CACHE_BLOCK, MoeShape, bf16_randn, expert_bytes, paged_latent_cache,  # noqa: E402
+                            random_routes, random_weight, weight_copies)
 
 FORMATS = ("bf16", "int8", "fp8", "int4")
 TOKENS = (1, 16, 128)
@@ -107,18 +107,14 @@ def test_linear(benchmark, shapes, fmt, t):
 def test_mla_decode(benchmark, shapes, b, keys):
     h, r, p = SHAPES[shapes][2]
     g = torch.Generator().manual_seed(3)
-    per_seq = -(-keys // CACHE_BLOCK)
-    n_blocks = 4 * b * per_seq  # four regions: consecutive rounds read other blocks
-    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, r + p)
-    order = torch.randperm(n_blocks, generator=g).to(torch.int32)
-    regions = [order[i * b * per_seq:(i + 1) * b * per_seq].view(b, per_seq) for i in range(4)]
-    lens = torch.full((b,), keys, dtype=torch.int32)
+    # four regions: consecutive rounds read other blocks
+    cache, regions, lens = paged_latent_cache(g, b, keys, r + p, 4 * b * -(-keys // CACHE_BLOCK))
     q_lat, q_pe = bf16_randn(g, b, h, r), bf16_randn(g, b, h, p)
     scale = (r + p) ** -0.5
     turn = itertools.count()
 
     def call():
-        return cpu.mla_decode(q_lat, q_pe, cache, regions[next(turn) % 4], lens, scale)
+        return cpu.mla_decode(q_lat, q_pe, cache, regions[next(turn) % len(regions)], lens, scale)
 
     def check(out):
         ref = reference.mla_decode(q_lat, q_pe, cache, regions[0], lens, scale)
