@@ -5,7 +5,8 @@
 A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
 Round r calls every variant once, in order, each call on a routing of its own (the suite's routings ×
 variants, in turn: no call routes to the experts of the call before it, which the last-level cache would
-still hold, as the variants of one format share their weights); after 2 warm-up rounds the
+still hold, as the variants of one format share their weights; a variant setting a load-time knob,
+`cpu_huge_pages`, gets weights of its own prepared under it); after 2 warm-up rounds the
 median and p10–p90 of each variant are printed with its GB/s (weight bytes of the experts touched)
 and its speed relative to the first variant. On a shared machine the figures drift between runs,
 but the variants of one run share the drift. That makes this the tool for ratios, such as FP8 vs
@@ -14,6 +15,7 @@ INT8 or one knob value vs another (docs/cpu_kernels.md). Nothing is stored.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -32,8 +34,28 @@ def parse_variant(text: str) -> tuple[str, dict]:
         name, sep, value = kv.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: expected KNOB=VALUE, got {kv!r}")
-        knobs[name] = int(value) if value.lstrip("-").isdigit() else value
+        knobs[name] = (int(value) if value.lstrip("-").isdigit()
+                       else {"true": True, "false": False}.get(value.lower(), value))
     return fmt, knobs
+
+
+def weight_key(fmt: str, knobs: dict) -> tuple:
+    """Variants share one set of weights per format and load-time knob values (`cpu_huge_pages`: those
+    act when `prepare()` copies a weight, so a variant setting one gets weights prepared under it)."""
+    from kernels.cpu_knobs import LOAD_KNOBS
+
+    return fmt, tuple(sorted((k, v) for k, v in knobs.items() if k in LOAD_KNOBS))
+
+
+@contextlib.contextmanager
+def load_knobs(cpu, values: dict):
+    """`values` as the kernels' defaults while weights are prepared, the previous ones after."""
+    before = {k: cpu._knobs[k] for k in values}
+    cpu.configure(values)
+    try:
+        yield
+    finally:
+        cpu.configure(before)
 
 
 def call_routing(r: int, j: int, variants: int) -> int:
@@ -53,11 +75,13 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     parsed = [parse_variant(v) for v in variants]
     g = torch.Generator().manual_seed(0)
     weights = {}
-    for fmt, _ in parsed:
-        if fmt not in weights:
-            w13 = cpu.prepare(random_weight((e, 2 * i, d), fmt, g))
-            w2 = cpu.prepare(random_weight((e, d, i), fmt, g))
-            weights[fmt] = (w13, w2, expert_bytes(w13, w2))
+    for fmt, knobs in parsed:
+        key = weight_key(fmt, knobs)
+        if key not in weights:
+            w13_src, w2_src = random_weight((e, 2 * i, d), fmt, g), random_weight((e, d, i), fmt, g)
+            with load_knobs(cpu, dict(key[1])):
+                w13, w2 = cpu.prepare(w13_src), cpu.prepare(w2_src)
+            weights[key] = (w13, w2, expert_bytes(w13, w2))
     x = torch.randn(tokens, d, generator=g).to(torch.bfloat16)
     # ROUTINGS routings per variant, and no call on the routing of the call before it: variants of one
     # format share their weights, so a variant run right after another on the same experts would find
@@ -67,7 +91,7 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     times: list[list[float]] = [[] for _ in parsed]
     for r in range(repeats + 2):
         for j, (fmt, knobs) in enumerate(parsed):
-            w13, w2, _ = weights[fmt]
+            w13, w2, _ = weights[weight_key(fmt, knobs)]
             t0 = time.perf_counter()
             cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=knobs)
             if r >= 2:
@@ -75,10 +99,10 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
     base = statistics.median(times[0])
     rows = []
-    for text, (fmt, _), t in zip(variants, parsed, times):
+    for text, (fmt, knobs), t in zip(variants, parsed, times):
         med = statistics.median(t)
         q = statistics.quantiles(t, n=10) if len(t) > 1 else [med] * 9
-        gbps = touched * weights[fmt][2] / med / 1e9
+        gbps = touched * weights[weight_key(fmt, knobs)][2] / med / 1e9
         rows.append({"variant": text, "median_s": med, "p10_s": q[0], "p90_s": q[-1], "gbps": gbps,
                      "speed_vs_first": base / med})
         print(f"{text:44s} {med * 1e3:8.2f} ms [{q[0] * 1e3:.2f}–{q[-1] * 1e3:.2f}]  {gbps:6.2f} GB/s  "

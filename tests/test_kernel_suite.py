@@ -49,8 +49,31 @@ def test_moe_ab_variants_parse_and_bad_ones_are_refused(capsys):
     for bad in ("int3", "int8:cpu_moe_block_n"):
         with pytest.raises(ValueError):
             moe_ab.parse_variant(bad)
+    assert moe_ab.parse_variant("int8:cpu_huge_pages=true")[1] == {"cpu_huge_pages": True}
     assert moe_ab.main(["--tokens", "0", "int8"]) == 2
     assert "must be ≥ 1" in capsys.readouterr().err
+
+
+def test_moe_ab_prepares_weights_per_load_knob_and_restores_the_defaults():
+    """A load-time knob (cpu_huge_pages) acts in prepare(): variants differing in one get their own
+    weights, prepared under it; per-call knobs share one set."""
+    from suites import moe_ab
+
+    assert moe_ab.weight_key("int8", {"cpu_moe_block_n": 64}) == moe_ab.weight_key("int8", {})
+    assert moe_ab.weight_key("int8", {"cpu_huge_pages": True}) != moe_ab.weight_key("int8", {})
+
+    class FakeCpu:
+        _knobs = {"cpu_huge_pages": False}
+        seen = []
+
+        def configure(self, values):
+            self._knobs = {**self._knobs, **values}
+            self.seen.append(dict(self._knobs))
+
+    cpu = FakeCpu()
+    with moe_ab.load_knobs(cpu, {"cpu_huge_pages": True}):
+        assert cpu._knobs["cpu_huge_pages"] is True
+    assert cpu._knobs["cpu_huge_pages"] is False
 
 
 @pytest.mark.parametrize("variants", [1, 2, 3, 4])
