@@ -61,7 +61,9 @@ struct WeightView {
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
   bool bf16_split = false;       // bf16 on float FMAs: the split microkernel on de-interleaved activations
-  int64_t prefetch_ahead = 0;    // microkernels: bytes ahead in a row that its prefetch reads (0: next tile)
+  // microkernels: bytes ahead in a row that their prefetch reads, in (0, row_bytes]; row_bytes = the next
+  // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
+  int64_t prefetch_dist = 0;
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.

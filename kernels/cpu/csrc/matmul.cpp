@@ -63,7 +63,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.int4_i8 = fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0;
   v.int4_int = fmt == kInt4 && !v.int4_i8 && kn.int4_method != kInt4Float && group % 64 == 0;
   v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
-  v.prefetch_ahead = kn.prefetch_ahead;
+  v.prefetch_dist = kn.prefetch_ahead == 0 || kn.prefetch_ahead > v.row_bytes ? v.row_bytes : kn.prefetch_ahead;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
     v.scale = scale.data_ptr<float>();

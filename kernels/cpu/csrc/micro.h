@@ -57,7 +57,7 @@ constexpr int64_t row_offset(int64_t k) {
 // Software prefetch of the weight rows, one 64-byte line per line the tile reads (a step reading less
 // than a line, INT8/FP8: 32 bytes, INT4: 16 or 32, skips the others: a prefetch that finds its line
 // already in flight still takes a fill-buffer lookup, and those stall once every buffer is busy).
-// W.prefetch_ahead > 0 (knob cpu_prefetch_ahead): each row's own line that many bytes ahead (at most a
+// W.prefetch_dist (knob cpu_prefetch_ahead): each row's own line that many bytes ahead (at most a
 // row), and past the row's end the same place in the next tile's rows (`next_row`: the rows the caller
 // reads after this tile, so the jump to another matrix, expert or task is prefetched too); a row no
 // longer than the distance therefore prefetches the next tile's line at the offset it reads, as 0 does.
@@ -67,15 +67,16 @@ template <int F, class T>
 inline void prefetch_row(const T* row, const uint8_t* next_row, int64_t k, const WeightView& W) {
   const int64_t off = row_offset<F>(k);
   if (off & 63) return;
-  // at most a row ahead: on a row no longer than the distance, the next tile's line at this offset
-  const int64_t at = off + (W.prefetch_ahead < W.row_bytes ? W.prefetch_ahead : W.row_bytes);
-  const uint8_t* p = W.prefetch_ahead == 0 ? next_row + off
-                     : at < W.row_bytes    ? reinterpret_cast<const uint8_t*>(row) + at
-                                           : next_row + (at - W.row_bytes);
+  // the distance (at most a row) is set once per weight (make_weight): the loop keeps one conditional
+  // move and no branch
+  const int64_t at = off + W.prefetch_dist;
+  const uint8_t* p = at < W.row_bytes ? reinterpret_cast<const uint8_t*>(row) + at : next_row + (at - W.row_bytes);
   // prefetcht0 as inline assembly: GCC 12 silently dropped _mm_prefetch of this address (chosen between
-  // two rows) from the dot-product kernels' loops (objdump: no prefetch left in micro_int8_dp)
-  asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(p)));
-  if constexpr (F == kF32) asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(p + 64)));
+  // two rows) from the dot-product kernels' loops (objdump: no prefetch left in micro_int8_dp). The
+  // address goes in a register ("r"), not as a memory operand ("m"): with a memory operand GCC kept
+  // the multi-token kernels' accumulators in memory and stored every one of them on each step.
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+  if constexpr (F == kF32) asm volatile("prefetcht0 64(%0)" : : "r"(p));
 }
 
 template <int F, int R, int MT>
@@ -156,21 +157,23 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
   const int64_t K = W.K;
-  for (int64_t k = 0; k < K; k += 32) {
+  // whole chunks, then the masked tail (as micro_bf16s)
+  auto step = [&](int64_t k, __mmask32 tail) __attribute__((always_inline)) {
     __m512i xv[MT];
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_si512((const void*)(x[m] + k));
-    const bool full = k + 32 <= K;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       prefetch_row<kInt8>(row[r], nrow[r], k, W);
-      __m256i b = full ? _mm256_loadu_si256((const __m256i*)(row[r] + k))
-                       : _mm256_maskz_loadu_epi8(tail_mask32(K - k), row[r] + k);
-      __m512i w = _mm512_cvtepi8_epi16(b);
+      const __m256i b = tail ? _mm256_maskz_loadu_epi8(tail, row[r] + k) : _mm256_loadu_si256((const __m256i*)(row[r] + k));
+      const __m512i w = _mm512_cvtepi8_epi16(b);
 #pragma GCC unroll 4
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_add_epi32(acc[r][m], _mm512_madd_epi16(w, xv[m]));
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, 0);
+  if (k < K) step(k, tail_mask32(K - k));
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) {
       const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
