@@ -38,8 +38,11 @@ Each case: 2 warm-ups, then `repeats` rounds alternating ours and torch's (F.lin
 weights dequantized to bfloat16 beforehand, bf16 activations); median and p10/p90 of each.
 gbps = bytes touched / median; fraction_of_read_bw = gbps / the probe's read bandwidth; GFLOP/s
 and fraction_of_peak_flops against the probe's peak of the instruction the case ran (`peak`: VNNI,
-AVX512-BF16 dot, AMX, else FP32 FMA). Rows go to the Parquet store
-(results.store, suite "kernels").
+AVX512-BF16 dot, AMX, else FP32 FMA). The weight ops (fused_moe, linear) also time, in each round, the
+probe's best read method over the same bytes from DRAM (PairedRead): paired_read_gbps (its median) and
+fraction_of_paired_read = gbps / paired_read_gbps, the kernel against the memory as fast as it runs in
+those same rounds (on a shared VM the bandwidth drifts by up to 2x between minutes). Rows go to the
+Parquet store (results.store, suite "kernels").
 """
 from __future__ import annotations
 
@@ -162,9 +165,10 @@ def _time(fn) -> float:
 _LAST_ISA: list[str] = []  # the instruction variants our first warm-up call ran (kernels.cpu's call record)
 
 
-def alternate(ours, theirs, repeats: int) -> tuple[list[float], list[float]]:
-    """2 warm-ups each, then `repeats` rounds of (ours, theirs); each call gets the round index.
-    The first warm-up of ours runs under kernels.cpu.recording(): its variants go to _LAST_ISA."""
+def alternate(ours, theirs, repeats: int, read=None) -> tuple[list[float], ...]:
+    """2 warm-ups each, then `repeats` rounds of (ours, theirs[, read]); each call gets the round index.
+    The first warm-up of ours runs under kernels.cpu.recording(): its variants go to _LAST_ISA.
+    `read` (r → seconds, its own clock): the paired read of the same bytes (PairedRead), a third list."""
     import kernels.cpu as cpu
 
     with cpu.recording() as rec:
@@ -174,11 +178,47 @@ def alternate(ours, theirs, repeats: int) -> tuple[list[float], list[float]]:
         if r:
             ours(r)
         theirs(r)
-    a, b = [], []
+    a, b, c = [], [], []
     for r in range(repeats):
         a.append(_time(lambda: ours(r)))
         b.append(_time(lambda: theirs(r)))
-    return a, b
+        if read is not None:
+            c.append(read(r))
+    return (a, b, c) if read is not None else (a, b)
+
+
+PAIRED_READ_BYTES = 1 << 30
+
+
+class PairedRead:
+    """The probe's best read method (tuner.probe: `read_method`), timed in the same rounds as a case over
+    the bytes the case's call reads: the memory limit as the machine runs at that moment. A shared VM's
+    bandwidth drifts by up to 2x between minutes here, so a kernel's fraction of the probe's best-ever
+    read mixes its speed with the drift; its fraction of this read does not. Each round reads another
+    slice of a 1 GiB buffer (allocated once, touched), so no slice is still in the last-level cache."""
+
+    _buf: torch.Tensor | None = None
+
+    def __init__(self, nbytes: float):
+        import kernels.cpu as cpu
+        from tuner.probe import probe
+
+        if PairedRead._buf is None or PairedRead._buf.numel() != PAIRED_READ_BYTES // 4:
+            PairedRead._buf = torch.ones(PAIRED_READ_BYTES // 4, dtype=torch.float32)
+        self.method = probe().get("read_method", "sequential")
+        self.ext = cpu.extension()
+        self.n = max(64 * 16, min(int(nbytes) // 4, PairedRead._buf.numel() // 3) // 1024 * 1024)  # floats
+        self.slices = max(1, PairedRead._buf.numel() // self.n)
+        self.nbytes = self.n * 4
+
+    def offset(self, r: int) -> int:
+        """Round r's slice: the buffer's slices in turn (floats from its start)."""
+        return (r % self.slices) * self.n
+
+    def __call__(self, r: int) -> float:
+        from tuner.probe import read_once
+
+        return read_once(self.ext, PairedRead._buf[self.offset(r):self.offset(r) + self.n], self.method)
 
 
 def summary(samples: list[float]) -> dict:
@@ -215,10 +255,13 @@ def bench_moe(shape: MoeShape, fmt: str, t: int, repeats: int, g: torch.Generato
 
     for e in range(shape.e):  # dequantize outside the timed region
         deq[e] = (w13[e].dequantize(torch.bfloat16), w2[e].dequantize(torch.bfloat16))
-    ours, theirs = alternate(lambda r: cpu.fused_moe(x, p13, p2, *routes[r % ROUTINGS]), torch_moe, repeats)
+    nbytes = touched * expert_bytes(w13, w2)
+    read = PairedRead(nbytes)
+    ours, theirs, reads = alternate(lambda r: cpu.fused_moe(x, p13, p2, *routes[r % ROUTINGS]), torch_moe, repeats,
+                                    read)
     flops = 2 * t * shape.k * 3 * shape.i * shape.d
     return _row("fused_moe", fmt, t, f"{shape.name} D={shape.d} I={shape.i} E={shape.e} top-{shape.k}",
-                ours, theirs, touched * expert_bytes(w13, w2), flops)
+                ours, theirs, nbytes, flops, paired=(read, reads))
 
 
 def last_level_cache_bytes() -> int:
@@ -255,9 +298,11 @@ def bench_linear(shape: LinearShape, fmt: str, t: int, repeats: int, g: torch.Ge
         theirs_w.append(w.dequantize(torch.bfloat16))
     x = torch.randn(t, shape.k, generator=g).to(torch.bfloat16)
     n = len(ours_w)
-    ours, theirs = alternate(lambda r: cpu.linear(x, ours_w[r % n]), lambda r: F.linear(x, theirs_w[r % n]), repeats)
+    read = PairedRead(w.nbytes)
+    ours, theirs, reads = alternate(lambda r: cpu.linear(x, ours_w[r % n]), lambda r: F.linear(x, theirs_w[r % n]),
+                                    repeats, read)
     return _row("linear", fmt, t, f"{shape.name} [{shape.n}, {shape.k}]", ours, theirs, w.nbytes,
-                2 * t * shape.n * shape.k)
+                2 * t * shape.n * shape.k, paired=(read, reads))
 
 
 def weight_nbytes(shape: LinearShape, fmt: str) -> int:
@@ -330,7 +375,7 @@ def _peak_key(isa: str, fmt: str, limits: dict) -> str:
     return key if limits.get(key) else "fp32_fma_gflops"
 
 
-def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = None) -> dict:
+def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = None, paired=None) -> dict:
     from tuner.probe import probe
 
     limits = probe()
@@ -344,6 +389,11 @@ def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = N
            "gflops": flops / s["median_s"] / 1e9, byte_key: nbytes, "samples": ours, "torch_samples": theirs}
     row["peak"] = _peak_key(row["isa"], fmt, limits)
     row["fraction_of_peak_flops"] = row["gflops"] / limits[row["peak"]]
+    if paired is not None:  # the paired read: its median GB/s, and ours as a fraction of it
+        read, reads = paired
+        row["paired_read_gbps"] = read.nbytes / statistics.median(reads) / 1e9
+        row["fraction_of_paired_read"] = gbps / row["paired_read_gbps"]
+        row["paired_read_samples"] = reads
     return row
 
 
@@ -413,7 +463,9 @@ def _line(r: dict) -> str:
     return (f"{r['op']:10s} {r['format']:5s} T={r['tokens']:<4d} {r['shape']:42s} {r['isa']:10s} {r['median_s'] * 1e3:9.3f} ms "
             f"[{r['p10_s'] * 1e3:.3f}–{r['p90_s'] * 1e3:.3f}] {r['gbps']:6.2f} GB/s "
             f"{r['fraction_of_read_bw'] * 100:5.1f}% bw {r['gflops']:7.1f} GFLOP/s  torch {r['torch_median_s'] * 1e3:9.3f} ms "
-            f"(×{r['speedup_vs_torch']:.2f})")
+            f"(×{r['speedup_vs_torch']:.2f})"
+            + (f"  paired read {r['paired_read_gbps']:.1f} GB/s: {r['fraction_of_paired_read'] * 100:.1f}% of it"
+               if "paired_read_gbps" in r else ""))
 
 
 def _store(rows: list[dict], knobs: dict) -> None:
@@ -424,7 +476,8 @@ def _store(rows: list[dict], knobs: dict) -> None:
                                **({} if r["context"] is None else {"context": r["context"]})},
                   "knobs": knobs, "metric": "kernel_seconds", "unit": "s", "direction": "minimize",
                   "samples": r["samples"],
-                  "extra": {k: r[k] for k in ("gbps", "fraction_of_read_bw", "torch_median_s", "speedup_vs_torch",
+                  "extra": {k: r[k] for k in ("gbps", "fraction_of_read_bw", "paired_read_gbps", "fraction_of_paired_read",
+                                              "paired_read_samples", "torch_median_s", "speedup_vs_torch",
                                               "gflops", "fraction_of_peak_flops", "weight_bytes", "bytes", "isa", "peak")
                             if k in r}}
                  for r in rows], suite="kernels")

@@ -133,6 +133,28 @@ def test_linear_case_cycles_through_distinct_copies(monkeypatch):
     assert len(set(seen)) == 1
 
 
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+def test_weight_cases_carry_a_paired_read_of_the_same_bytes(monkeypatch):
+    """fused_moe and linear rows time the probe's best read method in the same rounds over as many bytes,
+    each round another slice of the buffer; the row's fraction of it is its GB/s over the read's."""
+    import tuner.probe
+
+    monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_gbps": 10.0, "fp32_fma_gflops": 100.0,
+                                                       "read_method": "4 streams x 4 lines, prefetch 1024 B"})
+    monkeypatch.setattr(suite, "PAIRED_READ_BYTES", 8 << 20)
+    read = suite.PairedRead(1 << 20)
+    assert read.nbytes == 1 << 20 and read.slices == 8
+    assert [read.offset(r) for r in range(9)] == [i * (1 << 18) for i in range(8)] + [0]
+    assert read(3) > 0
+    g = __import__("torch").Generator().manual_seed(0)
+    row = suite.bench_linear(suite.LinearShape("t", 256, 512), "int8", 1, 3, g)
+    assert len(row["paired_read_samples"]) == 3 and row["paired_read_gbps"] > 0
+    assert row["fraction_of_paired_read"] == pytest.approx(row["gbps"] / row["paired_read_gbps"])
+    assert "paired read" in suite._line(row)
+    with pytest.raises(ValueError, match="no read method"):
+        tuner.probe.read_once(read.ext, suite.PairedRead._buf[:1024], "teleportation")
+
+
 def test_a_case_above_the_probes_limit_says_the_probe_is_stale():
     rows = [{"fraction_of_read_bw": 0.8, "fraction_of_peak_flops": 0.5, "peak": "vnni"}]
     assert suite.stale_limits(rows) is None

@@ -96,15 +96,23 @@ def measure(repeats: int = 7, buffer_bytes: int = BUFFER_BYTES, iters: int = 20_
     return result
 
 
+def read_once(ext, buf: torch.Tensor, name: str) -> float:
+    """Seconds to read `buf` (float32, contiguous) once with every thread by the read method called
+    `name` (a key of `read_methods`, e.g. the probe's `read_method`)."""
+    if name == "sequential":
+        return ext.read_seconds(buf)
+    if name.endswith("(kernels' pattern)"):
+        return ext.read_seconds_streams(buf, 4, 1024)
+    m = next((m for m in READ_METHODS if _method_name(*m) == name), None)
+    if m is None:
+        raise ValueError(f"no read method called {name!r}")
+    return ext.read_seconds_method(buf, *m)
+
+
 def _best_samples(ext, buf: torch.Tensor, name: str, repeats: int) -> list[float]:
     """`repeats` more samples of the read method called `name`."""
     nbytes = buf.numel() * 4
-    if name == "sequential":
-        return [nbytes / ext.read_seconds(buf) / 1e9 for _ in range(repeats)]
-    if name.endswith("(kernels' pattern)"):
-        return [nbytes / ext.read_seconds_streams(buf, 4, 1024) / 1e9 for _ in range(repeats)]
-    m = next(m for m in READ_METHODS if _method_name(*m) == name)
-    return [nbytes / ext.read_seconds_method(buf, *m) / 1e9 for _ in range(repeats)]
+    return [nbytes / read_once(ext, buf, name) / 1e9 for _ in range(repeats)]
 
 
 def probe(refresh: bool = False) -> dict:
