@@ -21,7 +21,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU fused MoE: rows per task (intermediate rows in gate/up, output rows in down); tasks are "
          "experts × tiles", low=8, high=512, log=True, pow2=True),
     Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
-         "CPU linear / fused MoE (tokens per expert): from this many, the GEMM path (per "
+         "CPU linear / fused MoE (tokens per expert): from this many (BF16 on the unpack path: "
+         "cpu_bf16_gemm_min_tokens), the GEMM path (per "
          "cpu_bf16_gemm / cpu_int8_gemm / cpu_int4_gemm: weight blocks unpacked to float32 for BLAS, oneDNN, the "
          "VNNI / AVX512-BF16 dot-product GEMM — from cpu_dot_gemm_min_tokens —, or AMX from "
          "cpu_amx_min_tokens) instead of the register microkernel", low=1, high=4096, log=True),
@@ -31,6 +32,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "takes it instead of the register microkernel; it packs its own weight blocks, with no float32 "
          "unpack, so it wins from fewer rows than cpu_gemm_min_tokens' unpack + BLAS (measured: INT8 / INT4 "
          "from 8-16 rows on an Emerald Rapids VM)", low=1, high=4096, log=True),
+    Knob("cpu_bf16_gemm_min_tokens", int, 256, "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert): from this many, a BF16 weight whose GEMM path is the float32 "
+         "unpack + BLAS (cpu_bf16_gemm unpack, or auto without AVX512-BF16 / AMX) takes it instead of the split "
+         "BF16 microkernel; where oneDNN or a dot-product GEMM runs BF16, cpu_gemm_min_tokens / "
+         "cpu_dot_gemm_min_tokens decide (measured on an Emerald Rapids VM without AVX512-BF16, "
+         "[11264, 2048]: the microkernel 1.70x / 1.35x / 1.20x / 1.0x / 0.92x unpack + BLAS at 32 / 64 / 128 / "
+         "256 / 512 tokens)", low=1, high=4096, log=True),
     Knob("cpu_prefetch_ahead", int, 2048, "kernels/cpu",
          "CPU microkernels: how many bytes ahead in its own row each weight row is prefetched, at most a "
          "row (past the row's end: the same place in the next tile's rows; a row no longer than this "

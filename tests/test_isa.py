@@ -514,10 +514,14 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
     auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
-    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == auto
-    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
+    gemm = {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_bf16_gemm_min_tokens": 32}
+    assert run_linear(x.bfloat16(), w, gemm)[1] == auto
+    assert run_linear(x, w, gemm)[1] == "blas"  # float32 activations: not rounded by auto
     with cpu.feature_mask(set()):
-        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})[1] == "blas"
+        assert run_linear(x.bfloat16(), w, gemm)[1] == "blas"
+        # the unpack path of BF16 starts at cpu_bf16_gemm_min_tokens, not cpu_gemm_min_tokens
+        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_bf16_gemm_min_tokens": t + 1})[1] == "avx512"
+        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_gemm_min_tokens": t + 1, "cpu_bf16_gemm_min_tokens": t})[1] == "blas"
 
 
 def test_bf16_gemm_onednn_in_fused_moe():
@@ -765,21 +769,27 @@ def test_fingerprint_lists_the_variants_native_and_model_only():
 @pytest.mark.parametrize("t", [1, 7, 8, 31, 40])
 def test_dot_gemm_threshold_is_its_own(t):
     """cpu_dot_gemm_min_tokens decides where a weight whose GEMM is a dot-product engine here (INT8 on
-    VNNI) leaves the microkernels, cpu_gemm_min_tokens where the unpack + BLAS formats (BF16 on float32
-    activations) do. The INT8 microkernels run the int16 path here (cpu_int8_isa=avx512) so the
-    recorded variant names the path: avx512 (microkernel), vnni (the GEMM), blas (unpack + BLAS)."""
+    VNNI) leaves the microkernels, cpu_bf16_gemm_min_tokens where BF16 on the unpack + BLAS path (float32
+    activations) does, cpu_gemm_min_tokens where the other unpack + BLAS formats (FP8) do. The INT8
+    microkernels run the int16 path here (cpu_int8_isa=avx512) so the recorded variant names the path:
+    avx512 (microkernel), vnni (the GEMM), blas (unpack + BLAS)."""
     emulate = [] if "avx512_vnni" in HAS else ["avx512_vnni"]
     vnni = "vnni" if not emulate else "vnni-model"
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, 256, generator=g)
     w8 = make_weight(torch.randn(70, 256, generator=g) * 0.05, "int8")
     wb = make_weight(torch.randn(70, 256, generator=g) * 0.05, "bf16")
-    base = {"cpu_int8_isa": "avx512", "cpu_int8_gemm": "vnni", "cpu_amx_min_tokens": 4096}
-    for dot, gemm in ((8, 4096), (8, 1), (4096, 1), (1, 4096)):
-        knobs = {**base, "cpu_dot_gemm_min_tokens": dot, "cpu_gemm_min_tokens": gemm}
+    wf = make_weight(torch.randn(70, 256, generator=g) * 0.05, "fp8")
+    base = {"cpu_int8_isa": "avx512", "cpu_int8_gemm": "vnni", "cpu_amx_min_tokens": 4096, "cpu_bf16_gemm": "unpack"}
+    for dot, gemm, bf16 in ((8, 4096, 4096), (8, 1, 4096), (4096, 1, 8), (1, 4096, 1), (4096, 8, 1)):
+        knobs = {**base, "cpu_dot_gemm_min_tokens": dot, "cpu_gemm_min_tokens": gemm, "cpu_bf16_gemm_min_tokens": bf16}
         y8, used8 = run_linear(x, w8, knobs, emulate)
         assert used8 == (vnni if t >= dot else "avx512"), (dot, gemm, used8)
         yb, usedb = run_linear(x, wb, knobs)
-        assert usedb == ("blas" if t >= gemm else "avx512"), (dot, gemm, usedb)
+        assert usedb == ("blas" if t >= bf16 else "avx512"), (bf16, usedb)
+        yf, usedf = run_linear(x, wf, knobs)
+        assert usedf == ("blas" if t >= gemm else "avx512"), (gemm, usedf)
         check(y8, reference.linear(x, w8), tight("int8"), f"int8 T={t} dot={dot}")
-    assert cpu.KNOB_DEFAULTS["cpu_dot_gemm_min_tokens"] < cpu.KNOB_DEFAULTS["cpu_gemm_min_tokens"]
+        check(yb, reference.linear(x, wb), tight("bf16"), f"bf16 T={t} bf16={bf16}")
+    assert cpu.KNOB_DEFAULTS["cpu_dot_gemm_min_tokens"] < cpu.KNOB_DEFAULTS["cpu_gemm_min_tokens"] < \
+        cpu.KNOB_DEFAULTS["cpu_bf16_gemm_min_tokens"]

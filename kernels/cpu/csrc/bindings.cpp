@@ -70,6 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("task_chunk", &Knobs::task_chunk)
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)
+      .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)

@@ -93,9 +93,10 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1 && dot_gemm_min_tokens >= 1 && prefetch_ahead >= 0 && prefetch_ahead % 64 == 0,
+                  amx_min_tokens >= 1 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
+                  prefetch_ahead % 64 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
-              "dot_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
+              "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
