@@ -435,6 +435,34 @@ def test_probe_readers_return_a_duration_and_refuse_bad_arguments():
             ext.read_seconds_streams(buf, streams, ahead)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "int4_g128", "int4_g64"])
+def test_spread_tiles_equal_adjacent_tiles_bitwise(fmt):
+    """cpu_tile_rows=spread only changes which rows a register tile reads together (rows a sweep's rows /
+    R apart instead of adjacent): each row's sum is the same computation, so the outputs are bitwise
+    equal, on sweeps that split into R equal parts (tiles of 4 and 8 rows, several token tails) and on
+    those that do not (they keep adjacent tiles), in linear and fused MoE."""
+    g = torch.Generator().manual_seed(len(fmt))
+    for n, k, block in ((256, 512, 64), (72, 256, 16), (1000, 384, 64), (7, 128, 64), (130, 256, 32)):
+        w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+        for t in (1, 3, 4, 7):
+            x = torch.randn(t, k, generator=g)
+            for rows in (4, 8):
+                kn = {"cpu_micro_rows": rows, "cpu_linear_block_n": block, "cpu_gemm_min_tokens": 4096,
+                      "cpu_bf16_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096}
+                a = cpu.linear(x, w, knobs={**kn, "cpu_tile_rows": "adjacent"})
+                b = cpu.linear(x, w, knobs={**kn, "cpu_tile_rows": "spread"})
+                assert torch.equal(a, b), (fmt, n, k, t, rows)
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    w13 = make_weight(torch.randn(6, 2 * 192, 256, generator=g) * 0.05, fmt)
+    w2 = make_weight(torch.randn(6, 256, 192, generator=g) * 0.05, fmt)
+    tw, ids = torch.rand(5, 2, generator=g), torch.randint(0, 6, (5, 2), generator=g)
+    for block in (16, 64, 128):
+        kn = {"cpu_moe_block_n": block, "cpu_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096,
+              "cpu_dot_gemm_min_tokens": 4096}
+        assert torch.equal(cpu.fused_moe(x, w13, w2, tw, ids, knobs={**kn, "cpu_tile_rows": "adjacent"}),
+                           cpu.fused_moe(x, w13, w2, tw, ids, knobs={**kn, "cpu_tile_rows": "spread"})), (fmt, block)
+
+
 @pytest.mark.parametrize("k", [1, 2, 17, 31, 32, 33, 95, 1000])
 def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
     """cpu_bf16_method=split (two bf16 per 32-bit lane split by a shift and a mask, activations

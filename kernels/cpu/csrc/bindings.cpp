@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("vector", moetune::kFp8Vector).value("lut", moetune::kFp8Lut).value("widen", moetune::kFp8Widen);
   py::enum_<moetune::Bf16Method>(m, "Bf16Method")
       .value("widen", moetune::kBf16Widen).value("split", moetune::kBf16Split);
+  py::enum_<moetune::TileRows>(m, "TileRows")
+      .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")
@@ -66,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("gemm_block_n", &Knobs::gemm_block_n)
       .def_readwrite("fp8_method", &Knobs::fp8_method)
       .def_readwrite("bf16_method", &Knobs::bf16_method)
+      .def_readwrite("tile_rows", &Knobs::tile_rows)
       .def_readwrite("int4_method", &Knobs::int4_method)
       .def_readwrite("task_chunk", &Knobs::task_chunk)
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)

@@ -26,6 +26,10 @@ enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or
 // the two bf16 of each 32-bit lane split by a shift and a mask against de-interleaved activations (split).
 enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1 };
+// cpu_tile_rows: which rows of a sweep a register tile of R rows reads: R adjacent rows (adjacent: R streams
+// of one row each per tile), or rows a sweep's rows / R apart (spread: R streams that each run through
+// rows / R consecutive rows, one long sequential read per stream, as the probe's fastest reader).
+enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
@@ -64,6 +68,7 @@ struct WeightView {
   // microkernels: bytes ahead in a row that their prefetch reads, in (0, row_bytes]; row_bytes = the next
   // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
   int64_t prefetch_dist = 0;
+  int64_t tile_stride = 1;       // rows between a register tile's rows (micro_sweep: 1, or rows / R when spread)
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
@@ -82,6 +87,7 @@ struct Knobs {
   int64_t gemm_block_n = 0;      // rows unpacked per BLAS call (the weight-unpack cache block)
   Fp8Method fp8_method = (Fp8Method)-1;
   Bf16Method bf16_method = (Bf16Method)-1;
+  TileRows tile_rows = (TileRows)-1;
   Int4Method int4_method = (Int4Method)-1;
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present

@@ -98,12 +98,14 @@ void Knobs::check() const {
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
-                  bf16_method <= kBf16Split && int4_method >= kInt4Float &&
+                  bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
+                  int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni,
-              "fp8_method, bf16_method, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm must be set");
+              "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm "
+              "must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -351,6 +353,13 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   int64_t t[4];
   const uint8_t* first = W.w + n0 * W.row_bytes;  // the sweep's first tile: next for a later token group
   if (!next) next = W.w + n1 * W.row_bytes;      // default: the rows after the sweep
+  // cpu_tile_rows=spread: tile i reads rows n0 + i + r·S (S = the sweep's rows / R), so each of the R
+  // streams runs through S consecutive rows; only where the rows split into R equal parts of ≥ 2 rows
+  const int64_t rows = n1 - n0;
+  const int64_t S = kn.tile_rows == kTileSpread && rows % R == 0 && rows / R >= 2 ? rows / R : 1;
+  WeightView Ws = W;
+  Ws.tile_stride = S;
+  const int64_t tiles = S > 1 ? S : (rows + R - 1) / R, tstep = S > 1 ? 1 : R, cstep = S > 1 ? S : 1;
   for (int64_t m0 = 0; m0 < M; m0 += MT) {
     const int64_t mt = std::min<int64_t>(MT, M - m0);
     for (int64_t mm = m0; mm < m0 + mt;) {
@@ -359,12 +368,13 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
       MicroFn f = step == MT ? fn : step == 2 ? fn2 : fn1;
       for (int64_t j = 0; j < step; ++j) t[j] = tok[mm + j];
       const bool last_group = mm + step >= M;
-      for (int64_t r0 = n0; r0 < n1; r0 += R) {
-        const uint8_t* nx = r0 + R < n1 ? W.w + (r0 + R) * W.row_bytes : last_group ? next : first;
-        f(W, r0, A, t, buf, nx);
-        const int64_t nr = std::min<int64_t>(R, n1 - r0);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t r0 = n0 + i * tstep;
+        const uint8_t* nx = i + 1 < tiles ? W.w + (r0 + tstep) * W.row_bytes : last_group ? next : first;
+        f(Ws, r0, A, t, buf, nx);
+        const int64_t nr = S > 1 ? R : std::min<int64_t>(R, n1 - r0);
         for (int64_t j = 0; j < step; ++j)
-          for (int64_t r = 0; r < nr; ++r) out[(mm + j - 0) * ldo + (r0 - n0) + r] = buf[j * R + r];
+          for (int64_t r = 0; r < nr; ++r) out[(mm + j) * ldo + (r0 - n0) + r * cstep] = buf[j * R + r];
       }
       mm += step;
     }

@@ -24,10 +24,10 @@ struct Act {
   int64_t ld = 0, gld = 0;
 };
 
-// out[m * R + r] = Σ_k x[tok[m], k] · W[r0 + r, k] (real values). Rows past N repeat the last
-// row (the caller drops them); tok holds MT activation-row indices. `next`: the row tile the caller
-// reads after this one (row r at next + r · row_bytes, same row length), prefetched while this one
-// is read.
+// out[m * R + r] = Σ_k x[tok[m], k] · W[r0 + r·tile_stride, k] (real values; tile_row). Rows past N
+// repeat the last row (the caller drops them); tok holds MT activation-row indices. `next`: the row
+// tile the caller reads after this one (row r at next + r · tile_stride · row_bytes, same row length),
+// prefetched while this one is read.
 using MicroFn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t* tok, float* out,
                          const uint8_t* next);
 
@@ -47,6 +47,13 @@ MicroFn get_micro_int8_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_int4_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_bf16_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_fp8_dot(int fmt, int rows, int tokens);
+
+// Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
+// spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).
+inline int64_t tile_row(const WeightView& W, int64_t r0, int r) {
+  const int64_t rr = r0 + r * W.tile_stride;
+  return rr < W.N ? rr : W.N - 1;
+}
 
 // Bytes of one weight row holding k elements, per format.
 template <int F>
@@ -88,13 +95,13 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
   const float* x[MT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+    const int64_t rr = tile_row(W, r0, r);
     row[r] = W.w + rr * W.row_bytes;
     if constexpr (F == kFp8) srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
     if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero + rr * W.scale_ld;
   }
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) x[m] = A.xf + tok[m] * A.ld;
   __m512 acc[R][MT];
@@ -149,10 +156,10 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
                 const uint8_t* next) {
   const int8_t* row[R];
   const int16_t* x[MT];
-  for (int r = 0; r < R; ++r) row[r] = (const int8_t*)(W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes);
+  for (int r = 0; r < R; ++r) row[r] = (const int8_t*)(W.w + tile_row(W, r0, r) * W.row_bytes);
   for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
   __m512i acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
@@ -176,7 +183,7 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   if (k < K) step(k, tail_mask32(K - k));
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) {
-      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+      const int64_t rr = tile_row(W, r0, r);
       out[m * R + r] = (float)_mm512_reduce_add_epi32(acc[r][m]) * A.xs[tok[m]] * W.scale[rr];
     }
 }
@@ -199,17 +206,21 @@ struct Int4Tile {
   const float* zrow[R];
   Int4Tile(const WeightView& W, int64_t r0, const uint8_t* next) {
     for (int r = 0; r < R; ++r) {
-      const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+      const int64_t rr = tile_row(W, r0, r);
       row[r] = W.w + rr * W.row_bytes;
-      nrow[r] = next + r * W.row_bytes;
+      nrow[r] = next + r * W.tile_stride * W.row_bytes;
       srow[r] = W.scale + rr * W.scale_ld;
       zrow[r] = W.zero + rr * W.scale_ld;
     }
-    const float* ns = W.scale + (r0 + R) * W.scale_ld;
-    const float* nz = W.zero + (r0 + R) * W.scale_ld;
-    for (int64_t o = 0; o < R * W.scale_ld; o += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
+    // the next tile of this matrix: the next R rows, or (spread tiles) the next row of each stream
+    const int64_t n0 = W.tile_stride > 1 ? r0 + 1 : r0 + R;
+    for (int r = 0; r < R; ++r) {
+      const float* ns = W.scale + (n0 + r * W.tile_stride) * W.scale_ld;
+      const float* nz = W.zero + (n0 + r * W.tile_stride) * W.scale_ld;
+      for (int64_t o = 0; o < W.scale_ld; o += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
+      }
     }
   }
   // Σ_g scale·zero·gsum[g] of row r over G groups: the zero point's share of the product
@@ -346,14 +357,14 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   const float* srow[R];
   const float* x[MT];
   for (int r = 0; r < R; ++r) {
-    const int64_t rr = r0 + r < W.N ? r0 + r : W.N - 1;
+    const int64_t rr = tile_row(W, r0, r);
     row[r] = W.w + rr * W.row_bytes;
     srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
   }
   for (int m = 0; m < MT; ++m) x[m] = A.xp + tok[m] * A.ld;
   const int64_t K = W.K, gsz = W.group;
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
   const __m512i zero = _mm512_setzero_si512(), keep = _mm512_set1_epi32((int)0x87F087F0u),
                 hi = _mm512_set1_epi32((int)0xFFFF0000u);
   __m512 acc[R][MT];
@@ -408,8 +419,8 @@ void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
   const uint8_t* nrow[R];
   const float* x[MT];
   for (int r = 0; r < R; ++r) {
-    row[r] = reinterpret_cast<const uint16_t*>(W.w + (r0 + r < W.N ? r0 + r : W.N - 1) * W.row_bytes);
-    nrow[r] = next + r * W.row_bytes;
+    row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
+    nrow[r] = next + r * W.tile_stride * W.row_bytes;
   }
   for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
   const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
