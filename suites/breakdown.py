@@ -44,6 +44,8 @@ and hardware key in every row, as append_rows fills them):
         is the step's wall time;
     metric "weight_bytes_per_token" (B), "kv_bytes_per_token" (B), "weight_gb_s" (GB/s),
         "read_bw_fraction" (fraction of the probe's read_gbps; absent with --no-probe),
+        "paired_read_gb_s" / "paired_read_fraction" (decode: the probe's best read method over one step's
+        weight bytes, timed after each repeat, and the step's GB/s as a fraction of it; absent with --no-probe),
         "fixed_cost_per_layer" (s; the rest ÷ layers): workload {phase, prompt_len, batch,
         decode_steps}; extra: bytes by group (attention, dense, routed experts, shared experts,
         router, lm_head, embed), the probe's read_gbps, the CPU model.
@@ -282,8 +284,10 @@ def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row:
 
 
 def measure(llm, prompt_len: int = 128, decode: int = 16, batch: int = 1, repeats: int = 5,
-            seed: int = 0, progress: bool = True) -> dict:
-    """Prefill and decode breakdowns: per phase, per-repeat samples of every part and bytes."""
+            seed: int = 0, progress: bool = True, paired_read: bool = False) -> dict:
+    """Prefill and decode breakdowns: per phase, per-repeat samples of every part and bytes.
+    `paired_read`: after each repeat's decode steps, the probe's best read method over one decode step's
+    weight bytes (suites.kernels.PairedRead), so the step's bandwidth has a limit measured beside it."""
     from tqdm import tqdm
 
     from engine.llm import RequestOutput, SamplingParams
@@ -299,6 +303,7 @@ def measure(llm, prompt_len: int = 128, decode: int = 16, batch: int = 1, repeat
     embed = llm.model.w["embed"]
     embed_row = embed.shape[-1] * embed.element_size()
     samples = {"prefill": [], "decode": []}
+    reader = None
     with timed_model(llm) as timer:
         for rep in tqdm(range(repeats + 1), desc="breakdown repeats", leave=False, disable=not progress):
             sched = Scheduler(llm)
@@ -326,6 +331,12 @@ def measure(llm, prompt_len: int = 128, decode: int = 16, batch: int = 1, repeat
                 dec["steps"] = decode
             finally:
                 sched.cancel_all()
+            if paired_read:
+                if reader is None:
+                    from suites.kernels import PairedRead
+
+                    reader = PairedRead(sum(dec["bytes"].values()))
+                dec["paired_read_gb_s"] = reader.nbytes / reader(rep) / 1e9
             if rep:  # the first is the warm-up
                 samples["prefill"].append(pre)
                 samples["decode"].append(dec)
@@ -361,6 +372,9 @@ def summarize(llm, samples: dict, prompt_len: int, decode: int, batch: int, over
             "fixed_cost_per_layer": _stats([x / c.num_hidden_layers for x in rest]),
             "runner_glue_per_layer": _stats([r["parts"]["rest.runner"] / c.num_hidden_layers for r in runs]),
         }
+        if all("paired_read_gb_s" in r for r in runs):  # the step's GB/s over the read timed after it
+            phases[phase]["paired_read_gb_s"] = _stats([r["paired_read_gb_s"] for r in runs])
+            phases[phase]["paired_read_fraction"] = _stats([g / r["paired_read_gb_s"] for g, r in zip(gbs, runs)])
     return {"prompt_len": prompt_len, "decode_steps": decode, "batch": batch, "repeats": len(samples["decode"]),
             "layers": c.num_hidden_layers, "timer_overhead_per_call_s": overhead,
             "backend": llm.knobs["kernel_backend"], "dtype": str(llm.dtype).replace("torch.", ""),
@@ -401,6 +415,9 @@ def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict) -> list
                    ("fixed_cost_per_layer", "s", "minimize", ph["fixed_cost_per_layer"])]
         if ph["read_bw_fraction"] is not None:
             figures.append(("read_bw_fraction", "fraction", "maximize", ph["read_bw_fraction"]))
+        if "paired_read_fraction" in ph:
+            figures += [("paired_read_gb_s", "GB/s", "maximize", ph["paired_read_gb_s"]),
+                        ("paired_read_fraction", "fraction", "maximize", ph["paired_read_fraction"])]
         for metric, unit, direction, st in figures:
             out.append({"metric": metric, "unit": unit, "direction": direction, "workload": work,
                         "samples": st["samples"], "extra": extra})
@@ -433,6 +450,11 @@ def table(result: dict, title: str) -> str:
                     f" = {frac['median'] * 100:.1f} % of the probe's read bandwidth ({result['read_gbps']:.1f} GB/s)")
         lines.append(f"  the whole step reads weights at {gbs['median']:.2f} GB/s "
                      f"[{gbs['min']:.2f}–{gbs['max']:.2f}]{of_probe}")
+        if "paired_read_fraction" in ph:
+            pf, pg = ph["paired_read_fraction"], ph["paired_read_gb_s"]
+            lines.append(f"    = {pf['median'] * 100:.1f} % [{pf['min'] * 100:.1f}–{pf['max'] * 100:.1f}] of a paired read "
+                         f"of the same bytes after each repeat ({pg['median']:.1f} GB/s [{pg['min']:.1f}–{pg['max']:.1f}]: "
+                         "the memory as fast as it ran then)")
         fc = ph["fixed_cost_per_layer"]
         lines.append(f"  the rest (outside the ops) ÷ {result['layers']} layers: {fc['median'] * 1e6:.1f} µs "
                      f"per layer [{fc['min'] * 1e6:.1f}–{fc['max'] * 1e6:.1f}]")
@@ -455,7 +477,6 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
     out = out or sys.stdout
     from engine.fingerprint import fingerprint
 
-    result = measure(llm, prompt_len, decode, batch, repeats, progress=not as_json)
     read_gbps = None
     if probe:
         from tuner.probe import probe as run_probe
@@ -464,6 +485,7 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
             read_gbps = run_probe()["read_gbps"]
         except ImportError as e:  # the probe needs the cpu kernels
             print(f"no read-bandwidth fraction: {e}", file=sys.stderr)
+    result = measure(llm, prompt_len, decode, batch, repeats, progress=not as_json, paired_read=read_gbps is not None)
     add_bandwidth(result, read_gbps)
     machine = fingerprint()
     result["machine"] = {"cpu_model": machine.get("cpu_model"), "hash": machine.get("hash"),

@@ -17,6 +17,7 @@ from suites import breakdown, e2e
 
 PHASES = ("prefill", "decode")
 FIGURES = {"weight_bytes_per_token", "kv_bytes_per_token", "weight_gb_s", "fixed_cost_per_layer", "read_bw_fraction"}
+PAIRED = {"paired_read_gb_s", "paired_read_fraction"}  # decode only
 
 
 @pytest.fixture
@@ -24,8 +25,11 @@ def store(tmp_path, monkeypatch):
     """Rows go to a private store; the probe answers 10 GB/s without measuring."""
     import tuner.probe
 
+    import suites.kernels
+
     monkeypatch.setenv("MOETUNE_RESULTS", str(tmp_path / "results"))
     monkeypatch.setattr(tuner.probe, "probe", lambda refresh=False: {"read_gbps": 10.0})
+    monkeypatch.setattr(suites.kernels, "PAIRED_READ_BYTES", 64 << 20)  # the decode's paired read: a small buffer
     return tmp_path / "results"
 
 
@@ -45,7 +49,7 @@ def test_cli_stores_rows_whose_parts_add_up(store, capsys):
     work = df["workload"].map(json.loads)
     assert set(work.map(lambda w: w["phase"])) == set(PHASES)
     assert all(w["prompt_len"] == 12 and w["batch"] == 1 and w["decode_steps"] == 3 for w in work)
-    assert set(df["metric"]) == {"part_seconds"} | FIGURES
+    assert set(df["metric"]) == {"part_seconds"} | FIGURES | PAIRED
     assert json.loads(df["knobs"].iloc[0])["threads"] == 1
     for phase in PHASES:
         rows = df[(df["metric"] == "part_seconds") & work.map(lambda w: w["phase"] == phase)]
@@ -57,7 +61,7 @@ def test_cli_stores_rows_whose_parts_add_up(store, capsys):
         assert all(parts[p][0] > 0 for p in ("linear.attn", "attention", "norms", "fused_moe", "lm_head", "total"))
         fig = {m: list(s) for m, s, w in zip(df["metric"], df["samples"], work)
                if w["phase"] == phase and m != "part_seconds"}
-        assert set(fig) == FIGURES
+        assert set(fig) == FIGURES | (PAIRED if phase == "decode" else set())
         for gbs, frac in zip(fig["weight_gb_s"], fig["read_bw_fraction"]):
             assert math.isclose(frac, gbs / 10.0)
         gb_row = df[(df["metric"] == "weight_gb_s") & work.map(lambda w: w["phase"] == phase)]
@@ -102,6 +106,27 @@ def test_weight_bytes_are_the_weights_a_decode_token_reads():
     assert dec["weight_bytes_per_token"]["median"] == sum(want.values())
     assert dec["kv_bytes_per_token"]["median"] > 0
     assert dec["parts"]["head_linear"]["calls"] == 2 * c.num_hidden_layers  # absorbed decode: W_UK and W_UV
+
+
+def test_paired_read_times_one_steps_bytes_after_each_repeat(monkeypatch):
+    """With paired_read the decode phase carries the probe's best reader over one step's weight bytes,
+    timed after each repeat, and the step's GB/s as a fraction of it; prefill (compute-bound) does not."""
+    import suites.kernels as ks
+    import tuner.probe
+
+    monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_method": "sequential"})
+    monkeypatch.setattr(ks, "PAIRED_READ_BYTES", 64 << 20)
+    llm = LLM("tiny", dtype="bfloat16", knobs={"threads": 1}, progress=False)
+    r = breakdown.measure(llm, prompt_len=5, decode=2, batch=1, repeats=2, progress=False, paired_read=True)
+    dec = r["phases"]["decode"]
+    assert len(dec["paired_read_gb_s"]["samples"]) == 2 and min(dec["paired_read_gb_s"]["samples"]) > 0
+    assert dec["paired_read_fraction"]["samples"] == pytest.approx(
+        [g / p for g, p in zip(dec["weight_gb_s"]["samples"], dec["paired_read_gb_s"]["samples"])])
+    assert "paired_read_fraction" not in r["phases"]["prefill"]
+    breakdown.add_bandwidth(r, 10.0)
+    assert "of a paired read of the same bytes" in breakdown.table(r, "t")
+    metrics = {row["metric"] for row in breakdown.rows(r, "tiny", "bf16", {}, {})}
+    assert {"paired_read_gb_s", "paired_read_fraction"} <= metrics
 
 
 def test_gqa_runner_steps_count_the_same_bytes_as_eager():
