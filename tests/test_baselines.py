@@ -462,6 +462,21 @@ def test_kt_kernel_layer_matches_ours():
             kt.forward(65, seed=0, repeats=1)
 
 
+def test_compare_alternation_pauses_before_every_run(monkeypatch):
+    """Every timed run (each engine's, ours included) comes after SETTLE_S of quiet: a worker process keeps
+    its threads busy for a while after a call (kt-kernel's doubled our MoE layer's time at T=1 without it)."""
+    from suites.baselines import compare
+
+    events = []
+    monkeypatch.setattr(compare, "settle", lambda: events.append("settle"))
+    engines = {name: (lambda n: lambda prompt, decode: events.append(n) or {"n": n})(name) for name in ("ours", "theirs")}
+    runs = compare.alternate(engines, [1, 2], 3, 2)
+    assert runs == {"ours": [{"n": "ours"}] * 2, "theirs": [{"n": "theirs"}] * 2}
+    timed = events[2:]  # after one warm-up each
+    assert timed == ["settle", "ours", "settle", "theirs"] * 2
+    assert compare.SETTLE_S > 0
+
+
 # ------------------------------------------------------------------ compare: parsing, table, page
 
 

@@ -15,7 +15,8 @@ Workloads (the seeds' workloads, scaled to the machine by their lengths):
 io/ttft/batch workloads run against llama.cpp and ik_llama.cpp (the same GGUF export; by default
 both, ik_llama.cpp where its build is present: suites/baselines/ikllama.py --setup), moe workloads
 against kt-kernel. Each workload runs ours, theirs, … in turn (one warm-up each first, then --repeats
-rounds), the same fixed-seed prompt token ids for all (no tokenizer in the loop), greedy, EOS ignored.
+rounds, each run after SETTLE_S of quiet so that no engine's lingering threads share the cores with the
+next), the same fixed-seed prompt token ids for all (no tokenizer in the loop), greedy, EOS ignored.
 Ratios pair engine by engine (baseline time / our time: > 1 means we are faster). Every setting (threads,
 precision, GGUF type, build flags, versions, kernel back ends, machine fingerprint) goes with the
 rows to the result store (suite "compare"); `moetune report` draws them (compare.html).
@@ -118,9 +119,22 @@ def our_model(model: str, precision: str) -> str:
 
 # ------------------------------------------------------------------ measuring
 
+# Seconds of quiet before each engine's timed run. Engines in other processes keep their threads busy for a
+# while after a call returns: kt-kernel's worker spins long enough that our V3 MoE layer at T=1, timed right
+# after its forward, took 32 ms instead of 15 (2 threads; kt-kernel's own time did not change with the
+# pause). The pause is the same before every engine, ours included.
+SETTLE_S = 0.1
+
+
+def settle() -> None:
+    import time
+
+    time.sleep(SETTLE_S)
+
 
 def alternate(engines: dict, prompt: list[int], decode: int, repeats: int) -> dict[str, list[dict]]:
-    """engine name → its runs; one warm-up each, then ours, theirs, … `repeats` times."""
+    """engine name → its runs; one warm-up each, then ours, theirs, … `repeats` times, each run after
+    SETTLE_S of quiet."""
     from tqdm import tqdm
 
     for run in engines.values():
@@ -128,6 +142,7 @@ def alternate(engines: dict, prompt: list[int], decode: int, repeats: int) -> di
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in tqdm(range(repeats), desc=f"D={decode}", leave=False):
         for name, run in engines.items():
+            settle()
             runs[name].append(run(prompt, decode))
     return runs
 
@@ -268,8 +283,10 @@ def run_moe(args, workloads: list[dict], threads: int) -> list[dict]:
             kt.forward(T, seed=T, repeats=1)
             ours, theirs, err = [], [], None
             for _ in range(args.repeats):
+                settle()
                 t, y = time_ours(backend, w13, w2, x, wts, ids, 1, warmup=0)
                 ours += t
+                settle()
                 r = kt.forward(T, seed=T, repeats=1, warmup=0)
                 theirs += r["seconds"]
                 if r["output"] is not None:
