@@ -192,7 +192,8 @@ PAIRED_READ_BYTES = 1 << 30
 
 class PairedRead:
     """The probe's best read method (tuner.probe: `read_method`), timed in the same rounds as a case over
-    the bytes the case's call reads: the memory limit as the machine runs at that moment. A shared VM's
+    the bytes the case's call reads (at most a third of the buffer: a larger call is compared with the
+    rate of a 341 MiB read): the memory limit as the machine runs at that moment. A shared VM's
     bandwidth drifts by up to 2x between minutes here, so a kernel's fraction of the probe's best-ever
     read mixes its speed with the drift; its fraction of this read does not. Each round reads another
     slice of a 1 GiB buffer (allocated once, touched), so no slice is still in the last-level cache."""
