@@ -142,6 +142,8 @@ def test_weight_cases_carry_a_paired_read_of_the_same_bytes(monkeypatch):
     monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_gbps": 10.0, "fp32_fma_gflops": 100.0,
                                                        "read_method": "4 streams x 4 lines, prefetch 1024 B"})
     monkeypatch.setattr(suite, "PAIRED_READ_BYTES", 8 << 20)
+    monkeypatch.setattr(suite, "POOL_BYTES", 1 << 20)  # a few weight copies, not the real pool's thousands
+    monkeypatch.setattr(suite, "last_level_cache_bytes", lambda: 1 << 20)
     read = suite.PairedRead(1 << 20)
     assert read.nbytes == 1 << 20 and read.slices == 8
     assert [read.offset(r) for r in range(9)] == [i * (1 << 18) for i in range(8)] + [0]
