@@ -74,9 +74,9 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     d, i, e, k = SHAPES[shape]
     parsed = [parse_variant(v) for v in variants]
     g = torch.Generator().manual_seed(0)
+    keys = [weight_key(fmt, knobs) for fmt, knobs in parsed]  # each variant's weights
     weights = {}
-    for fmt, knobs in parsed:
-        key = weight_key(fmt, knobs)
+    for (fmt, _), key in zip(parsed, keys):
         if key not in weights:
             w13_src, w2_src = random_weight((e, 2 * i, d), fmt, g), random_weight((e, d, i), fmt, g)
             with load_knobs(cpu, dict(key[1])):
@@ -90,8 +90,8 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     touched = statistics.mean(len(ids.unique()) for _, ids in routes)
     times: list[list[float]] = [[] for _ in parsed]
     for r in range(repeats + 2):
-        for j, (fmt, knobs) in enumerate(parsed):
-            w13, w2, _ = weights[weight_key(fmt, knobs)]
+        for j, ((_, knobs), key) in enumerate(zip(parsed, keys)):
+            w13, w2, _ = weights[key]
             t0 = time.perf_counter()
             cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=knobs)
             if r >= 2:
@@ -99,10 +99,10 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
     base = statistics.median(times[0])
     rows = []
-    for text, (fmt, knobs), t in zip(variants, parsed, times):
+    for text, key, t in zip(variants, keys, times):
         med = statistics.median(t)
         q = statistics.quantiles(t, n=10) if len(t) > 1 else [med] * 9
-        gbps = touched * weights[weight_key(fmt, knobs)][2] / med / 1e9
+        gbps = touched * weights[key][2] / med / 1e9
         rows.append({"variant": text, "median_s": med, "p10_s": q[0], "p90_s": q[-1], "gbps": gbps,
                      "speed_vs_first": base / med})
         print(f"{text:44s} {med * 1e3:8.2f} ms [{q[0] * 1e3:.2f}–{q[-1] * 1e3:.2f}]  {gbps:6.2f} GB/s  "

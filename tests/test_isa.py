@@ -18,6 +18,7 @@ Bounds (‖got − ref‖ / ‖ref‖ on the same quantized weights, as tests/te
   reference (fused MoE 3e-2); native and model bitwise equal.
 Native paths are skipped, naming the feature, where cpuid does not report it.
 """
+import functools
 import itertools
 import re
 import shutil
@@ -237,18 +238,25 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack")
 
 
-def instruction_counts(ops: tuple[str, ...]) -> dict[str, int]:
-    """Per function of the built extension (objdump, demangled), how many of its instructions are one of `ops`."""
+@functools.lru_cache(maxsize=1)
+def disassembly() -> dict[str, list[tuple[int, str]]]:
+    """The built extension's functions (objdump, demangled names): per function, its (address, instruction)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
                          text=True, check=True).stdout
-    counts, fn = {}, ""
+    funcs, fn = {}, None
     for line in out.splitlines():
         if line.endswith(">:") and "<" in line:
             fn = line[line.index("<") + 1:-2]
-            counts.setdefault(fn, 0)
-        elif fn and any(op in line for op in ops):
-            counts[fn] += 1
-    return counts
+            funcs.setdefault(fn, [])
+        elif fn and ":\t" in line:
+            addr, _, text = line.strip().partition(":\t")
+            funcs[fn].append((int(addr, 16), text.strip()))
+    return funcs
+
+
+def instruction_counts(ops: tuple[str, ...]) -> dict[str, int]:
+    """Per function of the built extension, how many of its instructions are one of `ops`."""
+    return {f: sum(1 for _, text in body if any(op in text for op in ops)) for f, body in disassembly().items()}
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
@@ -280,18 +288,7 @@ def hot_loop_stack_stores(fn_filter) -> dict[str, tuple[int, int]]:
     """Per function whose demangled name passes `fn_filter` (name → the FMA / dot instructions one step of
     its K loop holds): (vector stores to the stack, FMA / dot instructions) inside the shortest loop (a
     backward jump's range) holding at least that many FMA / dot instructions: the K loop's body."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
-                         text=True, check=True).stdout
-    funcs, fn = {}, None
-    for line in out.splitlines():
-        if line.endswith(">:") and "<" in line:
-            name = line[line.index("<") + 1:-2]
-            fn = name if fn_filter(name) else None
-            if fn:
-                funcs[fn] = []
-        elif fn and ":\t" in line:
-            addr, _, text = line.strip().partition(":\t")
-            funcs[fn].append((int(addr, 16), text.strip()))
+    funcs = {f: body for f, body in disassembly().items() if fn_filter(f)}
     fma = re.compile(r"^(vfmadd\w+|vpdpbusd|vdpbf16ps|vpmaddwd)\b")
     store = re.compile(r"^vmov\w*\s+%zmm\d+,(-?0x[0-9a-f]+)?\(%rsp\)")
     result = {}

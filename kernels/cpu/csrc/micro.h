@@ -55,6 +55,12 @@ inline int64_t tile_row(const WeightView& W, int64_t r0, int r) {
   return rr < W.N ? rr : W.N - 1;
 }
 
+// Row r of the tile the caller reads next, which starts at `next` and is laid out as this one: its
+// prefetch target.
+inline const uint8_t* next_tile_row(const WeightView& W, const uint8_t* next, int r) {
+  return next + r * W.tile_stride * W.row_bytes;
+}
+
 // Bytes of one weight row holding k elements, per format.
 template <int F>
 constexpr int64_t row_offset(int64_t k) {
@@ -101,7 +107,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero + rr * W.scale_ld;
   }
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next_tile_row(W, next, r);
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) x[m] = A.xf + tok[m] * A.ld;
   __m512 acc[R][MT];
@@ -159,7 +165,7 @@ void micro_int8(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   for (int r = 0; r < R; ++r) row[r] = (const int8_t*)(W.w + tile_row(W, r0, r) * W.row_bytes);
   for (int m = 0; m < MT; ++m) x[m] = A.xq + tok[m] * A.ld;
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next_tile_row(W, next, r);
   __m512i acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
@@ -208,7 +214,7 @@ struct Int4Tile {
     for (int r = 0; r < R; ++r) {
       const int64_t rr = tile_row(W, r0, r);
       row[r] = W.w + rr * W.row_bytes;
-      nrow[r] = next + r * W.tile_stride * W.row_bytes;
+      nrow[r] = next_tile_row(W, next, r);
       srow[r] = W.scale + rr * W.scale_ld;
       zrow[r] = W.zero + rr * W.scale_ld;
     }
@@ -364,7 +370,7 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
   for (int m = 0; m < MT; ++m) x[m] = A.xp + tok[m] * A.ld;
   const int64_t K = W.K, gsz = W.group;
   const uint8_t* nrow[R];
-  for (int r = 0; r < R; ++r) nrow[r] = next + r * W.tile_stride * W.row_bytes;
+  for (int r = 0; r < R; ++r) nrow[r] = next_tile_row(W, next, r);
   const __m512i zero = _mm512_setzero_si512(), keep = _mm512_set1_epi32((int)0x87F087F0u),
                 hi = _mm512_set1_epi32((int)0xFFFF0000u);
   __m512 acc[R][MT];
@@ -420,7 +426,7 @@ void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
   const float* x[MT];
   for (int r = 0; r < R; ++r) {
     row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
-    nrow[r] = next + r * W.tile_stride * W.row_bytes;
+    nrow[r] = next_tile_row(W, next, r);
   }
   for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
   const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
