@@ -126,6 +126,12 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_attn_decode_kv_block", int, 64, "kernels/cpu",
          "CPU attention decode: keys per cache block (converted and transposed once, used for the QK "
          "and the PV products while L2-resident)", low=16, high=1024, log=True, pow2=True),
+    Knob("cpu_attn_isa", str, "auto", "kernels/cpu",
+         "CPU attention (decode and extend) over a bf16 cache: the QK and PV products' instruction; "
+         "avx512bf16: vdpbf16ps on bf16 pairs (queries rounded to bf16, the probabilities rounded to bf16 "
+         "before PV; any row count, in place of the sgemm form), avx512: float32 FMAs (register tiles, or "
+         "sgemm from cpu_attn_blas_rows), auto: avx512bf16 where the CPU has it and every query value is a "
+         "bf16 already. Falls back to avx512 where the CPU lacks it", choices=("auto", "avx512", "avx512bf16")),
     Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
     Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
@@ -155,7 +161,8 @@ ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"},
-                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"}}
+                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"},
+                "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
 # the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)
 MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")
@@ -176,8 +183,8 @@ OP_KNOBS: dict[str, tuple[str, ...]] = {
     "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n"),
     "fused_moe": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_linear_block_n"),
     "mla_decode": ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
-                   "cpu_attn_blas_kv_block"),
-    "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows"),
+                   "cpu_attn_blas_kv_block", "cpu_attn_isa"),
+    "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_isa"),
 }
 # The MHA/GQA paged attention runs the same C++ cores (decode, extend), so reads the same knobs.
 OP_KNOBS["paged_decode"] = OP_KNOBS["mla_decode"]

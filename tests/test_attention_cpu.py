@@ -18,6 +18,11 @@ Tolerances, ‖got − ref‖ / ‖ref‖:
 - bfloat16 output (bf16 queries): 1e-2; both round the same float32 result to bf16, so they
   differ only where the two float32 values straddle a rounding boundary (measured ≤ 6e-5).
 - the cache after mla_decode with new rows: bitwise equal to the reference's (index op).
+- the BF16 dot form (cpu_attn_isa=avx512bf16: vdpbf16ps, or its C++ model on a CPU without it), bf16
+  cache and queries: 1e-2, as any bf16 output. The QK products are exact (bf16 × bf16) and summed in
+  float32 in pairs; the probabilities are rounded to bf16 before the PV product (relative error
+  ≤ 2^-9 each), which leaves the output within 2.6e-3 of the reference over every case here (the
+  float32 form: 4.6e-5 on the same bf16 inputs).
 """
 import zlib
 from functools import lru_cache
@@ -36,7 +41,7 @@ from attn_cases import block_tables, nan_cache, paged, same_bits, slots, store  
 from engine.knobs import CATALOGUE  # noqa: E402
 from test_kernels_cpu import check, knob_samples  # noqa: E402
 
-TIGHT, BF16 = 2e-5, 1e-2
+TIGHT, BF16, DOT = 2e-5, 1e-2, 1e-2
 F32, BF = torch.float32, torch.bfloat16
 DTYPES = [(F32, F32), (BF, F32), (BF, BF)]  # (cache or K/V, query)
 DTYPE_IDS = ["f32", "bf16cache", "bf16"]
@@ -236,9 +241,12 @@ def test_chunked_prefill_equals_one_extend(h, hkv, dk, dv, bs, cache_dtype):
 # ------------------------------------------------------------------ knobs: every value, same answer
 
 
-def attn_knob_values(name: str) -> list[int]:
-    """The catalogue samples (low, default, middle, high), plus 3 and 5 where any integer is allowed."""
+def attn_knob_values(name: str) -> list:
+    """The catalogue samples (low, default, middle, high), plus 3 and 5 where any integer is allowed;
+    every choice of a choice knob."""
     k = CATALOGUE[name]
+    if k.choices is not None:
+        return list(k.choices)
     odd = () if k.pow2 else (3, 5)
     return sorted(set(knob_samples(name)) | {v for v in odd if k.low <= v <= k.high})
 
@@ -267,12 +275,14 @@ def test_every_attention_knob_value_gives_the_same_answer(name, value):
     for cache_dtype in (F32, BF):
         for op, args, want in knob_inputs(cache_dtype):
             got = getattr(cpu, op)(*args, knobs={name: value})
-            check(got, want, TIGHT, f"{op} cache {cache_dtype} {name}={value}")
+            # the BF16 dot form asked for by name rounds the float32 queries (where the CPU has it)
+            bound = DOT if (name, value) == ("cpu_attn_isa", "avx512bf16") else TIGHT
+            check(got, want, bound, f"{op} cache {cache_dtype} {name}={value}")
 
 
 @pytest.mark.parametrize("extreme", ["low", "high"])
 def test_every_attention_knob_at_its_extreme_together(extreme):
-    knobs = {n: getattr(CATALOGUE[n], extreme) for n in cpu.ATTN_KNOBS}
+    knobs = {n: getattr(CATALOGUE[n], extreme) for n in cpu.ATTN_KNOBS if CATALOGUE[n].choices is None}
     for op, args, want in knob_inputs(BF):
         check(getattr(cpu, op)(*args, knobs=knobs), want, TIGHT, f"{op} {knobs}")
 
@@ -280,3 +290,102 @@ def test_every_attention_knob_at_its_extreme_together(extreme):
 def test_attention_knobs_mirror_the_catalogue():
     for name in cpu.ATTN_KNOBS:
         assert CATALOGUE[name].default == cpu.KNOB_DEFAULTS[name] and CATALOGUE[name].component == "kernels/cpu"
+
+
+# ------------------------------------------------------------------ the BF16 dot form (cpu_attn_isa)
+
+DOT_KNOBS = {"cpu_attn_isa": "avx512bf16"}
+
+
+def on_dot(fn, *args, native: bool = False, knobs=None):
+    """fn(*args) with the dot form asked for, on vdpbf16ps's C++ model (native: on the instruction);
+    returns (output, the variant the call record names)."""
+    with cpu.emulate([] if native else ["avx512_bf16"]), cpu.recording() as rec:
+        out = fn(*args, knobs={**DOT_KNOBS, **(knobs or {})})
+    return out, rec[-1]["isa"]
+
+
+DOT_WANT = "avx512bf16-model"
+
+
+DOT_CASES = ([("mla_decode", c) for c in sorted(MLA_CASES)] + [("paged_decode", c) for c in sorted(DECODE_CASES)]
+             + [("extend_attention", c) for c in sorted(EXTEND_CASES)]
+             + [("paged_extend", c) for c in sorted(PAGED_EXTEND_BS)])
+
+
+def dot_inputs(op: str, case: str) -> tuple:
+    """The op's inputs of the conformance case with a bf16 cache and bf16 queries."""
+    if op == "mla_decode":
+        return mla_inputs(case, BF, BF)
+    if op == "paged_decode":
+        return decode_inputs(case, BF, BF)
+    if op == "extend_attention":
+        return extend_inputs(case, BF, BF)
+    return paged_extend_inputs(case, BF, BF)[0]
+
+
+@pytest.mark.parametrize("op,case", DOT_CASES, ids=[f"{o}-{c}" for o, c in DOT_CASES])
+def test_bf16_dot_form(op, case):
+    args = dot_inputs(op, case)
+    got, isa = on_dot(getattr(cpu, op), *args)
+    assert isa == DOT_WANT
+    check(got, getattr(reference, op)(*args), DOT, f"{op} dot {case}")
+
+
+@pytest.mark.parametrize("knobs", [{"cpu_attn_head_fold": 1, "cpu_attn_kv_splits": 1},
+                                   {"cpu_attn_head_fold": 5, "cpu_attn_decode_kv_block": 16},
+                                   {"cpu_attn_kv_splits": 64, "cpu_attn_decode_kv_block": 1024},
+                                   {"cpu_attn_blas_rows": 1}],
+                         ids=["fold1", "fold5_kvb16", "splits64_kvb1024", "blas_rows1"])
+def test_bf16_dot_under_the_other_attention_knobs(knobs):
+    """Folded rows 1 .. 22 (register groups of 16 and a remainder), one key per block up to whole
+    contexts, and the sgemm threshold (the dot form replaces the sgemm form)."""
+    args = mla_inputs("odd_h22_r20_p4", BF, BF)
+    got, isa = on_dot(cpu.mla_decode, *args, knobs=knobs)
+    assert isa == DOT_WANT
+    check(got, reference.mla_decode(*args), DOT, f"mla_decode dot {knobs}")
+
+
+def test_bf16_dot_auto_takes_only_bf16_queries_and_a_bf16_cache():
+    """auto: the dot form where the queries are bf16 values already (nothing rounded that the model did
+    not round); float32 queries, a float32 cache or an odd key length keep the float32 FMAs, even when
+    the dot form is asked for by name (cache, odd length)."""
+    def isa(args, value, fn=cpu.paged_decode):
+        with cpu.emulate(["avx512_bf16"]), cpu.recording() as rec:
+            fn(*args, knobs={"cpu_attn_isa": value})
+        return rec[-1]["isa"]
+
+    assert isa(decode_inputs("regular_mha_4", BF, BF), "auto") == DOT_WANT
+    assert isa(decode_inputs("regular_mha_4", BF, F32), "auto") == "avx512"
+    assert isa(decode_inputs("regular_mha_4", BF, F32), "avx512bf16") == DOT_WANT
+    assert isa(decode_inputs("regular_mha_4", F32, BF), "avx512bf16") == "avx512"
+    assert isa(decode_inputs("regular_mha_4", BF, BF), "avx512") == "avx512"
+    g = gen("odd_dk")
+    k_cache, bt = paged([randn(g, 9, 1, 7)], 4, BF, g)
+    v_cache, _ = paged([randn(g, 9, 1, 5)], 4, BF, g, (k_cache.shape[0], bt))
+    odd = (randn(g, 1, 2, 7).to(BF), k_cache, v_cache, bt, torch.tensor([9], dtype=torch.int32), 0.3)
+    assert isa(odd, "avx512bf16") == "avx512"
+    check(cpu.paged_decode(*odd, knobs={"cpu_attn_isa": "avx512bf16"}), reference.paged_decode(*odd), DOT, "odd Dk")
+
+
+def test_bf16_dot_without_the_feature_runs_avx512():
+    """Asked for by name on a CPU (or feature mask) without AVX512-BF16 and not emulated: float32 FMAs."""
+    args = decode_inputs("regular_mha_4", BF, BF)
+    with cpu.feature_mask(set()), cpu.recording() as rec:
+        got = cpu.paged_decode(*args, knobs=DOT_KNOBS)
+    assert rec[-1]["isa"] == "avx512"
+    check(got, reference.paged_decode(*args), BF16, "masked")
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu.features(), reason="this CPU lacks avx512_bf16: its dot form runs "
+                    "only on the instruction's C++ model here (the tests above)")
+@pytest.mark.parametrize("case", ["regular_b4", "regular_v3_heads", "odd_h22_r20_p4"])
+def test_native_bf16_dot_mla_decode_equals_its_model(case):
+    """vdpbf16ps itself: the same answer as the model (the model under DAZ/FTZ has the instruction's
+    rounding and denormal rules; only the order of the pair's two products may differ), and the reference."""
+    args = mla_inputs(case, BF, BF)
+    native, isa = on_dot(cpu.mla_decode, *args, native=True)
+    assert isa == "avx512bf16"
+    model, _ = on_dot(cpu.mla_decode, *args)
+    check(native, model, 1e-5, f"native vs model {case}")
+    check(native, reference.mla_decode(*args), DOT, f"native {case}")

@@ -262,14 +262,16 @@ def instruction_counts(ops: tuple[str, ...]) -> dict[str, int]:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_dot_instructions_appear_only_in_dispatched_functions():
     """The extension loads on any AVX-512 CPU: vpdpbusd / vdpbf16ps / AMX tile instructions are only
-    in the functions compiled for them (dot_hw kernels, the dot-product GEMM's native blocks, the probe's peaks, the AMX tile class)."""
+    in the functions compiled for them (dot_hw kernels, attention's attn_hw products, the dot-product GEMM's native
+    blocks, the probe's peaks, the AMX tile class)."""
     where = {f: n for f, n in instruction_counts(("vpdpbusd", "vdpbf16ps", "tdpb", "tileloadd")).items() if n}
     assert where, "no dot-product instruction at all: the variants were not compiled"
-    allowed = ("dot_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "int4_block_hw", "vnni_int8_gops", "bf16_dot_gflops",
+    allowed = ("dot_hw::", "attn_hw::", "dot_block_int8_hw", "dot_block_bf16_hw", "int4_block_hw", "vnni_int8_gops", "bf16_dot_gflops",
                "AmxHw", "amx_peak_gops")
     stray = [f for f in where if not any(a in f for a in allowed)]
     assert not stray, stray
     assert any("dot_hw::micro_int8_dp" in f for f in where) and any("dot_hw::micro_bf16_dp" in f for f in where)
+    assert any("attn_hw::qk_dot_tile" in f for f in where) and any("attn_hw::pv_dot_tile" in f for f in where)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")

@@ -16,7 +16,8 @@ tests and the suites sweep them that way) or a struct from `make_knobs(values)` 
 it once per layer shape and token bucket: the call then converts nothing).
 
 `with recording() as rec:` makes each call append what it used (op, format, tokens, knobs by name,
-the instruction variants run). ISA variants (cpu_int8_isa: vpdpbusd; cpu_bf16_isa: vdpbf16ps) are
+the instruction variants run). ISA variants (cpu_int8_isa: vpdpbusd; cpu_bf16_isa and cpu_attn_isa:
+vdpbf16ps, in the weight microkernels and in attention's QK / PV products) are
 resolved at the call against cpuid under a feature mask (`feature_mask(...)`); `emulate(...)` runs
 them on C++ models of the instructions (tests), `isa_variants()` says which run here.
 """

@@ -24,11 +24,25 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
+#include "dot.h"
 #include "ops.h"
 
 namespace moetune {
 
 namespace {
+
+#define MOETUNE_ATTN_NS attn_hw
+#define MOETUNE_BF16_ATTR MOETUNE_TARGET_BF16
+#include "attn_dot.inc"
+#undef MOETUNE_ATTN_NS
+#undef MOETUNE_BF16_ATTR
+#define MOETUNE_ATTN_NS attn_model
+#define MOETUNE_BF16_ATTR
+#include "attn_dot.inc"
+#undef MOETUNE_ATTN_NS
+#undef MOETUNE_BF16_ATTR
+
+enum AttnDot : int { kNoDot = 0, kDotHw = 1, kDotModel = 2 };  // the QK / PV instruction of a call
 
 constexpr int kGroup = 16;  // rows per register group
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -212,12 +226,14 @@ KVSource kv_source(const at::Tensor& t, const char* what) {
 // Kept per thread across calls and only ever grown: a call neither zeroes nor page-faults fresh memory.
 struct Scratch {
   std::vector<float> kt, s, pt, alpha, kf, vf, q;  // kf, vf, q: the BLAS form (row-major float32)
+  std::vector<uint32_t> kp, pb;                     // the dot form: key pairs, probability pairs
   std::vector<const uint8_t*> krow, vrow;
-  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
+  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, bool dot) {
     const int64_t ldk = (kv_block + 15) / 16 * 16;
     grow(kt, Dk * ldk), grow(s, rows * ldk), grow(pt, ldk * kGroup), grow(alpha, rows);
     grow(krow, ldk), grow(vrow, ldk);
     if (blas) grow(kf, kv_block * Dk), grow(vf, kv_block * Dv), grow(q, rows * Dk);
+    if (dot) grow(kp, (Dk + 1) / 2 * ldk), grow(pb, kGroup * ldk / 2);
   }
   template <class T>
   static void grow(std::vector<T>& v, int64_t n) {
@@ -225,9 +241,9 @@ struct Scratch {
   }
 };
 
-Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas) {
+Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, bool dot) {
   static thread_local Scratch sc;
-  sc.fit(rows, kv_block, Dk, Dv, blas);
+  sc.fit(rows, kv_block, Dk, Dv, blas, dot);
   return sc;
 }
 
@@ -245,14 +261,84 @@ inline at::Tensor view2d(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::kFloat);
 }
 
+// dst[i] = x[i] rounded to bfloat16 (nearest even; finite values: queries, probabilities), n values.
+inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask16(n - i);
+    const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                                           _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
+
+// Rows [0, rows) of float32 values (row r at x[r], n even) as bf16 pairs in register groups of 16 rows,
+// each group transposed: dst[(r / 16) * (n / 2) * 16 + i * 16 + r % 16] = (x[r][2i], x[r][2i + 1]).
+// The dot form's queries (unscaled) and probabilities.
+inline void pack_pairs_t(const float* const* x, int rows, int64_t n, uint32_t* dst) {
+  static thread_local std::vector<uint32_t> row;
+  const int64_t units = n / 2;
+  Scratch::grow(row, units);
+  for (int r = 0; r < rows; ++r) {
+    to_bf16(x[r], n, reinterpret_cast<uint16_t*>(row.data()));
+    uint32_t* d = dst + (r / kGroup) * units * kGroup + r % kGroup;
+    for (int64_t i = 0; i < units; ++i) d[i * kGroup] = row[i];
+  }
+}
+
+// Kp[p * ldk + j] = unit p (dims 2p, 2p + 1) of bf16 key row j, for p < pairs, j < ldk (keys past nb:
+// zero): 16 keys × 16 units at a time through the in-register transpose.
+inline void transpose_pairs(const uint8_t* const* krow, int nb, int64_t pairs, uint32_t* Kp, int64_t ldk) {
+  __m512 r[16], o[16];
+  for (int j0 = 0; j0 < ldk; j0 += 16) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const __mmask16 m = tail_mask16(pairs - p0);
+      for (int j = 0; j < 16; ++j)
+        r[j] = j0 + j < nb ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, krow[j0 + j] + 4 * p0)) : _mm512_setzero_ps();
+      transpose16(r, o);
+      const int64_t pn = std::min<int64_t>(16, pairs - p0);
+      for (int64_t p = 0; p < pn; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(Kp + (p0 + p) * ldk + j0), o[p]);
+    }
+  }
+}
+
+// MXCSR.DAZ|FTZ on this thread for the scope when `on` (the vdpbf16ps model's denormal rule).
+struct DenormalScope {
+  unsigned prev = 0;
+  bool on;
+  explicit DenormalScope(bool o) : on(o) {
+    if (on) prev = _mm_getcsr(), _mm_setcsr(prev | 0x8040u);
+  }
+  ~DenormalScope() { if (on) _mm_setcsr(prev); }
+};
+
+// The QK / PV instruction of a call (cpu_attn_isa, as isa.cpp's rule for the weights): vdpbf16ps, or
+// its C++ model under emulation, for a bf16 cache whose key rows have an even length; asked for
+// (avx512bf16), or with auto where the queries hold bf16 values already (nothing is rounded that the
+// model did not round: only the probabilities are, before the PV product). Else float32 FMAs.
+int attn_dot(const Knobs& kn, bool bf16_cache, int64_t Dk, const float* q, int64_t n) {
+  if (!bf16_cache || Dk % 2 != 0 || kn.attn_isa == kAttnIsaAvx512) return kNoDot;
+  const unsigned have = usable_features(), emu = emulated_features();
+  const int d = (emu & kFeatBf16) ? kDotModel : (have & kFeatBf16) ? kDotHw : kNoDot;
+  if (d == kNoDot || kn.attn_isa == kAttnIsaDot) return d;
+  __m512i low = _mm512_setzero_si512();  // auto: any query bits below a bf16's?
+  for (int64_t i = 0; i < n; i += 16)
+    low = _mm512_or_si512(low, _mm512_maskz_loadu_epi32(tail_mask16(n - i), q + i));
+  return _mm512_test_epi32_mask(low, _mm512_set1_epi32(0xFFFF)) ? kNoDot : d;
+}
+
 // The rows' online-softmax state over keys [k0, k1) of one sequence. Qt: the pre-scaled queries in
 // register groups, [rows / 16][Dk][16] (see pack_queries); lim[r]: row r sees keys n < lim[r];
 // m, l [rows]; A [rows][lda] unnormalized output.
+// The dot form (dot ≠ kNoDot, a bf16 cache): Qb the unscaled query rows as bf16 pairs in transposed
+// register groups (pack_pairs_t), qscale applied to the scores; the block's keys transposed by pairs
+// (transpose_pairs), the probabilities rounded to bf16 pairs, QK and PV on vdpbf16ps (attn_dot.inc).
 template <int DT>
-void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
-            const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, bool blas, Scratch& sc,
-            float* m, float* l, float* A, int64_t lda) {
-  const int64_t Dk = K.dim, Dv = V.dim;
+void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows, const int64_t* lim,
+            const KVSource& K, const KVSource& V, const int32_t* table, int64_t kvh, int64_t k0, int64_t k1,
+            int64_t kv_block, bool blas, Scratch& sc, float* m, float* l, float* A, int64_t lda) {
+  const int64_t Dk = K.dim, Dv = V.dim, pairs = Dk / 2;
+  if (dot) blas = false;
   // V the leading columns of the K rows (MLA's latent): one conversion serves both products.
   const bool v_in_k = V.base == K.base && V.sblock == K.sblock && V.stok == K.stok && V.shead == K.shead && Dv <= Dk;
   at::Tensor Qm;
@@ -285,6 +371,14 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
       Vm = v_in_k ? view2d(sc.kf.data(), nb, Dv, Dk) : view2d(sc.vf.data(), nb, Dv, Dv);
       at::Tensor St = view2d(S, rows, nb, ldk);
       at::mm_out(St, Qm, view2d(sc.kf.data(), nb, Dk, Dk).t());
+    } else if (dot) {
+      transpose_pairs(sc.krow.data(), nb, pairs, sc.kp.data(), ldk);
+      for (int g0 = 0; g0 < rows; g0 += kGroup) {
+        const int G = std::min(kGroup, rows - g0);
+        const uint32_t* Qg = Qb + g0 * pairs;  // group g0 / 16: pairs × 16 units
+        if (dot == kDotHw) attn_hw::qk_dot<Bf16Hw>(G, Qg, sc.kp.data(), ldk, pairs, qscale, S + g0 * ldk, ldk);
+        else attn_model::qk_dot<Bf16Model>(G, Qg, sc.kp.data(), ldk, pairs, qscale, S + g0 * ldk, ldk);
+      }
     } else {
       transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
       for (int g0 = 0; g0 < rows; g0 += kGroup)
@@ -323,6 +417,18 @@ void attend(const float* Qt, int rows, const int64_t* lim, const KVSource& K, co
           }
         }
       view2d(A, rows, Dv, lda).addmm_(view2d(S, rows, nb, ldk), Vm);
+      continue;
+    }
+    if (dot) {
+      uint32_t* Pb = sc.pb.data();
+      for (int g0 = 0; g0 < rows; g0 += kGroup) {
+        const int G = std::min(kGroup, rows - g0);
+        const float* prow[kGroup];
+        for (int g = 0; g < G; ++g) prow[g] = S + (g0 + g) * ldk;
+        pack_pairs_t(prow, G, ldk, Pb);
+        if (dot == kDotHw) attn_hw::pv_dot<Bf16Hw>(G, Pb, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+        else attn_model::pv_dot<Bf16Model>(G, Pb, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+      }
       continue;
     }
     for (int g0 = 0; g0 < rows; g0 += kGroup) {
@@ -392,11 +498,19 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   static thread_local std::vector<float> q_buf;
   Scratch::grow(q_buf, nq * qsize);
   float* const qpacked = q_buf.data();
+  // the dot form (attn_dot): the query rows as bf16 pairs instead, rows × Dk / 2 units per head block
+  const int dot = attn_dot(kn, DT == kBF16, Dk, q, B * H * Dk);
+  const int64_t qbsize = (hf + kGroup - 1) / kGroup * kGroup * (Dk / 2);
+  static thread_local std::vector<uint32_t> qb_buf;
+  if (dot) Scratch::grow(qb_buf, nq * qbsize);
+  uint32_t* const qbpacked = qb_buf.data();
+  note_used(dot == kDotHw ? kUsedBf16 : dot == kDotModel ? kUsedBf16Model : kUsedAvx512);
 #pragma omp parallel
   {
-    const bool blas = hf >= kn.attn_blas_rows;
+    DenormalScope daz(dot == kDotModel);
+    const bool blas = !dot && hf >= kn.attn_blas_rows;
     const int64_t kvb = blas ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;  // keys per block, for the path taken
-    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas);
+    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
     std::vector<float> m(hf), l(hf);
@@ -405,7 +519,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       const int64_t hb = i % nhb, kvh = (i / nhb) % Hkv, b = i / (nhb * Hkv), h0 = kvh * Hg + hb * hf;
       const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
       for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk;
-      pack_queries(qrow.data(), rows, Dk, scale, qpacked + i * qsize);
+      if (dot) pack_pairs_t(qrow.data(), rows, Dk, qbpacked + i * qbsize);
+      else pack_queries(qrow.data(), rows, Dk, scale, qpacked + i * qsize);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -418,13 +533,14 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       const int64_t base = (b * H + h0) * S + s;  // partial index of (b, h0, s); heads step by S
       if (k1 <= k0) continue;
       for (int r = 0; r < rows; ++r) lim[r] = len;
-      const float* Qt = qpacked + ((b * Hkv + kvh) * nhb + hb) * qsize;
+      const int64_t qi = (b * Hkv + kvh) * nhb + hb;
+      const float* Qt = qpacked + qi * qsize;
       std::fill(m.begin(), m.begin() + rows, kNegInf);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
-      attend<DT>(Qt, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, blas, sc, m.data(),
-                 l.data(), A, S * Dv);
+      attend<DT>(Qt, qbpacked + qi * qbsize, scale, dot, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb,
+                 blas, sc, m.data(), l.data(), A, S * Dv);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
   }
@@ -454,11 +570,15 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
                  int64_t kv_len, float scale, const Knobs& kn, float* out) {
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim, prefix = kv_len - T;
   const int64_t qb = kn.attn_extend_q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
+  const int dot = attn_dot(kn, DT == kBF16, Dk, q, T * H * Dk);
+  note_used(dot == kDotHw ? kUsedBf16 : dot == kDotModel ? kUsedBf16Model : kUsedAvx512);
 #pragma omp parallel
   {
-    const bool blas = qb >= kn.attn_blas_rows;
-    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas);
+    DenormalScope daz(dot == kDotModel);
+    const bool blas = !dot && qb >= kn.attn_blas_rows;
+    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
+    std::vector<uint32_t> Qb(dot ? (qb + kGroup - 1) / kGroup * kGroup * (Dk / 2) : 0);
     std::vector<const float*> qrow(qb);
     std::vector<int64_t> lim(qb);
     // The most expensive tiles (the last query rows see the most keys) are handed out first.
@@ -471,11 +591,11 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
         lim[r] = prefix + i0 + r + 1;
         m[r] = kNegInf, l[r] = 0.f;
       }
-      pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
+      if (dot) pack_pairs_t(qrow.data(), rows, Dk, Qb.data());
+      else pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
-      attend<DT>(Qt.data(), rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1], kn.attn_extend_kv_block,
-                 rows >= kn.attn_blas_rows && blas, sc,
-                 m.data(), l.data(), A.data(), Dv);
+      attend<DT>(Qt.data(), Qb.data(), scale, dot, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1],
+                 kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas, sc, m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
         const float inv = 1.f / l[r];
@@ -502,7 +622,6 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& slots, const Knobs& kn) {
   kn.check();
   reset_used();
-  note_used(kUsedAvx512);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_decode: q [B, H, Dk] float32");
   if (cache.defined() && cache.numel() > 0) write_rows(cache, rows, slots);
   const KVSource K = kv_source(k, "attn_decode k"), V = kv_source(v, "attn_decode v");
@@ -532,7 +651,6 @@ at::Tensor attn_extend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t kv_len, double scale, const Knobs& kn) {
   kn.check();
   reset_used();
-  note_used(kUsedAvx512);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attn_extend: q [T, H, Dk] float32");
   const KVSource K = kv_source(k, "attn_extend k"), V = kv_source(v, "attn_extend v");
   const int64_t T = q.size(0), H = q.size(1);

@@ -30,6 +30,9 @@ enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1 };
 // of one row each per tile), or rows a sweep's rows / R apart (spread: R streams that each run through
 // rows / R consecutive rows, one long sequential read per stream, as the probe's fastest reader).
 enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
+// cpu_attn_isa: the attention products' instruction (attention.cpp's attn_dot): float32 FMAs (avx512),
+// vdpbf16ps on bf16 pairs (avx512bf16), auto: avx512bf16 where the CPU has it and the queries are bf16.
+enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
@@ -101,6 +104,7 @@ struct Knobs {
   Int4Gemm int4_gemm = (Int4Gemm)-1;
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
+  AttnIsa attn_isa = (AttnIsa)-1;
   void check() const;  // every field set and in range (matmul.cpp)
 };
 
