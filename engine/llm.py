@@ -115,8 +115,11 @@ class LLM:
         torch.set_num_threads(self.knobs["threads"])
         self.tokenizer = Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").exists() else None
         self.dtype = DTYPES[dtype]
-        weights = to_device(load_weights(self.path, self.config, self.dtype, progress), self.device)
         ops = kernels.get_backend("cuda" if self.device.type == "cuda" else self.knobs["kernel_backend"])
+        # the cpu backend's weights go straight into huge-page storage (cpu_huge_pages): prepare() copies none
+        huge = getattr(ops, "__name__", "") == "kernels.cpu" and self.knobs["cpu_huge_pages"]
+        weights = to_device(load_weights(self.path, self.config, self.dtype, progress,
+                                         bulk_alloc=ops.weight_empty if huge else None), self.device)
         if hasattr(ops, "configure"):  # backends with tile knobs read them from the catalogue
             try:
                 ops.configure(self.knobs)

@@ -291,3 +291,24 @@ def test_bad_knobs(single, knobs, words):
         load(single, **knobs)
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+def test_weights_load_straight_into_huge_pages(single, ref_logits, monkeypatch):
+    """With cpu_huge_pages the loader allocates each weight's bytes in huge-page storage
+    (kernels.cpu.weight_empty): prepare() then wraps them without a copy, and the model is unchanged.
+    The threshold is lowered to 4 KiB so that this small model's weights take that path."""
+    from kernels import cpu
+    from kernels.formats import DenseWeight
+
+    monkeypatch.setattr(cpu, "HUGE_MIN_BYTES", 4096)
+    llm = load(single, kernel_backend="cpu", cpu_huge_pages=True)
+    try:
+        packed = [w for w in llm.model.w.values() if isinstance(w, cpu.Packed)]
+        big = [p for p in packed if p.orig.nbytes >= 4096 and isinstance(p.orig, DenseWeight)]
+        assert big, "no weight reached the lowered threshold"
+        for p in big:
+            assert p.orig.w.data_ptr() % (2 << 20) == 0, "weight bytes not in huge-page storage"
+            assert p.args[1].data_ptr() == p.orig.w.data_ptr(), "prepare() copied a weight already in place"
+        assert rel_err(llm.logits(PROMPT), ref_logits) < 1e-6
+    finally:
+        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})

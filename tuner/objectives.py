@@ -112,10 +112,10 @@ def shared_weights():
 
     original, cache = llm_mod.load_weights, {}
 
-    def cached(path, config, dtype, progress=True):
-        key = (str(path), dtype)
+    def cached(path, config, dtype, progress=True, bulk_alloc=None):
+        key = (str(path), dtype, bulk_alloc is not None)
         if key not in cache:
-            cache[key] = original(path, config, dtype, progress)
+            cache[key] = original(path, config, dtype, progress, bulk_alloc=bulk_alloc)
         return cache[key]
 
     llm_mod.load_weights = cached

@@ -174,22 +174,27 @@ def _check_tensors(specs: list, infos: dict[str, TensorInfo]) -> None:
 # ---------------------------------------------------------------- allocation and filling
 
 
-def _allocate(p: LinearPlan, dtype: torch.dtype):
+def _allocate(p: LinearPlan, dtype: torch.dtype, bulk_alloc=None):
+    """The weight's tensors, zero until filled; its bulk (the weight bytes) from bulk_alloc(shape,
+    dtype) where given (the cpu backend's huge-page storage), else torch's allocator."""
     lead = (len(p.spec.sources),) if p.spec.stacked else ()
     rows = p.part_rows * len(p.spec.parts)
+
+    def bulk(shape, dt, fill=0):
+        return (bulk_alloc or torch.empty)(shape, dtype=dt).fill_(fill)
+
     if p.fmt == "fp8":
         bn, bk = p.block
-        w = torch.zeros(*lead, rows, p.in_features, dtype=torch.float8_e4m3fn)
+        w = bulk((*lead, rows, p.in_features), torch.float8_e4m3fn)
         return Fp8BlockWeight(w, torch.ones(*lead, -(-rows // bn), -(-p.in_features // bk)), p.block)
     if p.fmt == "int8":
-        return Int8ChannelWeight(torch.zeros(*lead, rows, p.in_features, dtype=torch.int8),
-                                 torch.ones(*lead, rows))
+        return Int8ChannelWeight(bulk((*lead, rows, p.in_features), torch.int8), torch.ones(*lead, rows))
     if p.fmt == "int4":  # symmetric: zero point 8 (0x88: both nibbles 8, a zero weight until filled)
         groups = p.packed_in // p.group
-        return Int4GroupWeight(torch.full((*lead, rows, p.packed_in // 2), 0x88, dtype=torch.uint8),
+        return Int4GroupWeight(bulk((*lead, rows, p.packed_in // 2), torch.uint8, 0x88),
                                torch.ones(*lead, rows, groups), torch.full((*lead, rows, groups), 8.0),
                                p.in_features, p.group)
-    return DenseWeight(torch.zeros(*lead, rows, p.in_features, dtype=dtype))
+    return DenseWeight(bulk((*lead, rows, p.in_features), dtype))
 
 
 def _targets(plans: dict[str, LinearPlan]) -> dict[str, tuple]:
@@ -220,15 +225,17 @@ def _place(weight, plan: LinearPlan, expert, part: int, component: str, t: torch
         w.scale[row0:row0 + t.shape[0]] = t.float().reshape(-1)
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict:
-    """Engine-layout weights: key → Tensor (norms, embedding, router) or a weight format object."""
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool = True,
+                 bulk_alloc=None) -> dict:
+    """Engine-layout weights: key → Tensor (norms, embedding, router) or a weight format object.
+    bulk_alloc(shape, dtype=...): where each linear's weight bytes are allocated (default: torch)."""
     path = Path(path)
     infos = scan(shard_files(path))
     specs = checkpoint_layout(cfg)
     _check_tensors(specs, infos)
     plans = plan_linears(cfg, specs, infos)
     _log_skipped(cfg, infos, specs, plans)
-    weights: dict = {k: _allocate(p, dtype) for k, p in plans.items()}
+    weights: dict = {k: _allocate(p, dtype, bulk_alloc) for k, p in plans.items()}
     tensors = {s.source: s for s in specs if isinstance(s, TensorSpec)}
     targets = _targets(plans)
     wanted = [n for n in infos if n in tensors or n in targets]

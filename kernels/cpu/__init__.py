@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -281,9 +282,31 @@ HUGE_MIN_BYTES = 2 << 20  # below one huge page the copy gains nothing
 _BULK_FIELD = {DenseWeight: "w", Int8ChannelWeight: "w", Fp8BlockWeight: "w", Int4GroupWeight: "packed"}
 
 
+def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in 2 MiB-aligned storage advised for transparent huge pages (the
+    loader places weights straight into it when cpu_huge_pages is on: no copy at prepare())."""
+    shape = tuple(shape)
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return _ext.huge_empty(n).view(dtype).view(shape)
+
+
+def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Storage for a weight's bytes as the loader allocates it with cpu_huge_pages on: huge_empty from
+    one huge page (2 MiB) on, torch's allocator below (a smaller weight would waste most of a page)."""
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return huge_empty(shape, dtype) if n >= HUGE_MIN_BYTES else torch.empty(tuple(shape), dtype=dtype)
+
+
+def _in_huge_pages(t: torch.Tensor) -> bool:
+    """Whether t's bytes start on a 2 MiB boundary, as huge_empty's storage does (torch's large
+    allocations start just past a page boundary; one that landed on 2 MiB would merely keep ordinary
+    pages: slower, never wrong)."""
+    return t.data_ptr() % HUGE_MIN_BYTES == 0
+
+
 def _huge_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` copied into 2 MiB-aligned storage advised for huge pages (the bulk of a weight)."""
-    out = _ext.huge_empty(t.nbytes).view(t.dtype).view(t.shape)
+    out = huge_empty(t.shape, t.dtype)
     out.copy_(t)
     return out
 
@@ -301,7 +324,8 @@ def prepare(weight):
         return weight
     field = _BULK_FIELD.get(type(weight))
     bulk = getattr(weight, field) if field else None
-    if _knobs["cpu_huge_pages"] and bulk is not None and bulk.nbytes >= HUGE_MIN_BYTES:
+    if (_knobs["cpu_huge_pages"] and bulk is not None and bulk.nbytes >= HUGE_MIN_BYTES
+            and not _in_huge_pages(bulk)):
         weight = dataclasses.replace(weight, **{field: _huge_copy(bulk.contiguous())})
         args = _pack(weight)
     return Packed(weight, args)
