@@ -266,10 +266,14 @@ def test_prepare_weights_wraps_formats_and_keeps_their_attributes():
     assert cpu.prepare(formats.DenseWeight(torch.randn(4, 4, dtype=torch.float16))).w.dtype == torch.float16
 
 
-def test_huge_page_copy_is_aligned_and_equal_and_off_by_default():
+def test_huge_page_copy_is_aligned_and_equal_and_switchable():
     big = formats.quantize_int8_channel(torch.randn(4, 1024, 700))  # 2.7 MiB of int8: copied
     small = formats.quantize_int8_channel(torch.randn(64, 64))  # below one huge page: kept
-    assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()  # default: no copy
+    try:
+        cpu.configure({"cpu_huge_pages": False})
+        assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()  # off: no copy
+    finally:
+        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})
     w2 = formats.quantize_int8_channel(torch.randn(4, 700, 1024))
     fp8 = formats.quantize_fp8_block(torch.randn(2048, 1100))  # the float8 bytes, 2.1 MiB
     try:

@@ -314,10 +314,10 @@ def _huge_copy(t: torch.Tensor) -> torch.Tensor:
 def prepare(weight):
     """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
 
-    With cpu_huge_pages (off by default) a weight of at least 2 MiB is first copied into memory
-    advised for transparent huge pages (the wrapper then holds that copy, and the caller's original
-    can be freed). On this project's VM it measured +8-10 % on a 0.5 GB INT8 MoE layer but -13 to
-    -35 % on a 2.8 GB one (docs/cpu_kernels.md), so it is a per-machine setting.
+    With cpu_huge_pages (on by default) a weight of at least 2 MiB not already in huge-page storage
+    (the engine's loader places it there: kernels.cpu.weight_empty) is first copied into memory advised
+    for transparent huge pages (the wrapper then holds that copy, and the caller's original can be
+    freed). Measured per machine in docs/cpu_kernels.md ("Huge pages").
     """
     args = _pack(weight)
     if args is None or isinstance(weight, Packed):
