@@ -99,6 +99,12 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); "
          "auto: onednn where the CPU has AVX512-BF16 or AMX and the activations are bf16 already, else unpack",
          choices=("auto", "unpack", "onednn", "avx512bf16")),
+    Knob("cpu_fp8_gemm", str, "auto", "kernels/cpu",
+         "CPU linear / fused MoE (tokens per expert) with FP8 weights on the GEMM path (from cpu_gemm_min_tokens "
+         "rows): weight unpack to float32 + BLAS (unpack), or the weight dequantized to bf16 (each value × its "
+         "block scale rounded to bf16, as DeepSeek's FP8 → BF16 cast) and torch's bf16 linear, i.e. oneDNN, on "
+         "activations rounded to bf16 with a bf16 output (onednn); auto: onednn where the CPU has AVX512-BF16 "
+         "or AMX and the activations are bf16 already, else unpack", choices=("auto", "unpack", "onednn")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS, or AMX tiles where present (unpack), "
@@ -157,10 +163,12 @@ LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes")
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the
 # CPU feature it needs (/proc/cpuinfo's flag name; None: any AVX-512 CPU)
-# (cpu_bf16_gemm's variants run anywhere: oneDNN dispatches its own instructions, outside the mask)
+# (cpu_bf16_gemm's and cpu_fp8_gemm's onednn runs anywhere: oneDNN dispatches its own instructions,
+# outside the mask)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
+                "cpu_fp8_gemm": {"unpack": None, "onednn": None},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"},
                 "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}

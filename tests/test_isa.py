@@ -200,6 +200,13 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
                 assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {"blas"})
+            for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn"), (torch.float32, torch.bfloat16)):
+                with cpu.recording() as rec:  # FP8's GEMM path
+                    cpu.linear(torch.randn(40, 256, generator=g).to(dtype), weights["fp8"],
+                               knobs={"cpu_fp8_gemm": fp8_gemm, "cpu_gemm_min_tokens": 32})
+                onednn = fp8_gemm == "onednn" or (fp8_gemm == "auto" and dtype == torch.bfloat16
+                                                  and bool({"avx512_bf16", "amx"} & mask & HAS))
+                assert rec[0]["isa"] == ("onednn" if onednn else "blas"), (mask, fp8_gemm, dtype, rec[0]["isa"])
     assert cpu.features() == HAS  # the mask is restored
 
 
@@ -235,6 +242,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
+        assert runnable_catalogue(cpu)["cpu_fp8_gemm"].choices == ("auto", "unpack", "onednn")
         assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack")
 
 
@@ -532,6 +540,35 @@ def test_bf16_gemm_onednn_in_fused_moe():
         got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={"cpu_bf16_gemm": "onednn", "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
     assert rec[0]["isa"] == "onednn"
     check(got, reference.fused_moe(x, w13, w2, tw, ids), BF16_MOE, "onednn fused MoE")
+
+
+@pytest.mark.parametrize("shape", ["regular_t64", "odd_t37"])
+def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
+    """cpu_fp8_gemm=onednn on the GEMM path: the FP8 weight times its block scales, rounded to bf16 (K
+    1000: a partial last scale block), then torch's bf16 F.linear, bitwise; within the bf16 bound of
+    the FP8 reference on float32 activations (rounded to bf16); auto takes it only for bf16 activations
+    on a CPU with AVX512-BF16 or AMX."""
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(t + n + 1)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "fp8")
+    x = torch.randn(t, k, generator=g)
+    knobs = {"cpu_fp8_gemm": "onednn", "cpu_gemm_min_tokens": 32}
+    with cpu.recording() as rec:
+        got = cpu.linear(x.bfloat16(), w, knobs=knobs)
+        forced = cpu.linear(x, w, knobs=knobs)
+        below = cpu.linear(x[:3].bfloat16(), w, knobs=knobs)  # below the GEMM threshold: the microkernels
+    assert [r["isa"] for r in rec][:2] == ["onednn", "onednn"] and "onednn" not in rec[2]["isa"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w.dequantize().float().to(torch.bfloat16)))
+    check(got, reference.linear(x.bfloat16(), w), BF16_LINEAR, f"fp8 onednn {shape}")
+    check(forced, reference.linear(x, w), BF16_LINEAR, f"fp8 onednn {shape} float32 activations")
+    check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
+    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
+    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == "blas"
+    with cpu.feature_mask(set()):
+        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == "blas"
 
 
 # ------------------------------------------------------------------ prefill: the tile GEMM on dot-product instructions

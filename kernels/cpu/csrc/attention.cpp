@@ -261,17 +261,6 @@ inline at::Tensor view2d(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::kFloat);
 }
 
-// dst[i] = x[i] rounded to bfloat16 (nearest even; finite values: queries, probabilities), n values.
-inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask16(n - i);
-    const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
-    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
-                                                           _mm512_set1_epi32(0x7FFF)));
-    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-  }
-}
-
 // Rows [0, rows) of float32 values (row r at x[r], n even) as bf16 pairs in register groups of 16 rows,
 // each group transposed: dst[(r / 16) * (n / 2) * 16 + i * 16 + r % 16] = (x[r][2i], x[r][2i + 1]).
 // The dot form's queries (unscaled) and probabilities.

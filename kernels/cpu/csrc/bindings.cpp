@@ -55,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Bf16Gemm>(m, "Bf16Gemm")
       .value("auto", moetune::kBf16GemmAuto).value("unpack", moetune::kBf16GemmUnpack)
       .value("onednn", moetune::kBf16GemmOnednn).value("avx512bf16", moetune::kBf16GemmDot);
+  py::enum_<moetune::Fp8Gemm>(m, "Fp8Gemm")
+      .value("auto", moetune::kFp8GemmAuto).value("unpack", moetune::kFp8GemmUnpack)
+      .value("onednn", moetune::kFp8GemmOnednn);
   py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
       .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
       .value("vnni", moetune::kInt8GemmVnni);
@@ -81,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
       .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)
+      .def_readwrite("fp8_gemm", &Knobs::fp8_gemm)
       .def_readwrite("int8_gemm", &Knobs::int8_gemm)
       .def_readwrite("int4_gemm", &Knobs::int4_gemm)
       .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)

@@ -41,6 +41,7 @@ enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
 // bf16 linear (oneDNN); auto: oneDNN where the CPU has AVX512-BF16 or AMX and the activations are bf16.
 // avx512bf16: our tile GEMM on vdpbf16ps (amx.cpp's DotTiles).
 enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3 };
+enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2 };
 // cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS (or AMX), or our tile GEMM on vpdpbusd.
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2 };
 // cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd
@@ -100,6 +101,7 @@ struct Knobs {
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;
+  Fp8Gemm fp8_gemm = (Fp8Gemm)-1;
   Int8Gemm int8_gemm = (Int8Gemm)-1;
   Int4Gemm int4_gemm = (Int4Gemm)-1;
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
@@ -111,6 +113,18 @@ struct Knobs {
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// dst[i] = x[i] rounded to bfloat16 (nearest even; finite values: attention's queries and
+// probabilities, FP8 weights dequantized for cpu_fp8_gemm=onednn), n values.
+inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask16(n - i);
+    const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                                           _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
 inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << n) - 1); }
 
 // FP8 E4M3 → float32 in registers, without NaN or denormal handling: sign to bit 31, exponent and

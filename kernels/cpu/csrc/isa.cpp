@@ -58,6 +58,11 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
   return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
 }
 
+bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
+  if (kn.fp8_gemm != kFp8GemmAuto) return kn.fp8_gemm == kFp8GemmOnednn;
+  return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
+}
+
 int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   const unsigned have = usable_features(), emu = emulated_features();
   unsigned feat = 0;

@@ -103,9 +103,10 @@ void Knobs::check() const {
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
-                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni,
-              "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm and int4_gemm "
-              "must be set");
+                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni && fp8_gemm >= kFp8GemmAuto &&
+                  fp8_gemm <= kFp8GemmOnednn,
+              "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
+              "fp8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
@@ -436,10 +437,38 @@ inline at::Tensor bf16_weight(const WeightView& W) {
   return at::from_blob(const_cast<uint8_t*>(W.w), {W.N, W.K}, {W.row_bytes / 2, 1}, at::kBFloat16);
 }
 
+// cpu_fp8_gemm=onednn: x (bf16) × an FP8 weight through torch's bf16 linear (oneDNN), cpu_gemm_block_n
+// weight rows at a time: each block dequantized into one reused bf16 buffer (every value times its
+// block scale, rounded to bf16 as DeepSeek's own FP8 → BF16 cast of the checkpoint does; the block
+// stays cache-resident for its GEMM, and no weight-sized buffer is allocated and faulted in per call).
+at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs& kn, at::ScalarType out_dtype) {
+  const int64_t M = x.size(0), bn = std::min(kn.gemm_block_n, W.N);
+  at::Tensor out = at::empty({M, W.N}, out_dtype);
+  at::Tensor wb = at::empty({bn, W.K}, at::kBFloat16);
+  uint16_t* const o = reinterpret_cast<uint16_t*>(wb.data_ptr());
+  for (int64_t n0 = 0; n0 < W.N; n0 += bn) {
+    const int64_t n1 = std::min(W.N, n0 + bn);
+    at::parallel_for(n0, n1, 4, [&](int64_t s, int64_t e) {
+      static thread_local std::vector<float> row;
+      if ((int64_t)row.size() < W.K) row.resize(W.K);
+      for (int64_t r = s; r < e; ++r) {
+        unpack_rows_f32(W, r, r + 1, row.data());
+        to_bf16(row.data(), W.K, o + (r - n0) * W.K);
+      }
+    });
+    out.narrow(1, n0, n1 - n0).copy_(at::linear(x, wb.narrow(0, 0, n1 - n0)));
+  }
+  return out;
+}
+
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
     note_used(kUsedOnednn);
     return at::linear(x_act.to(at::kBFloat16), bf16_weight(W)).to(at::kFloat);
+  }
+  if (W.fmt == kFp8 && fp8_gemm_onednn(kn, W.act_bf16)) {  // the same on the weight dequantized to bf16
+    note_used(kUsedOnednn);
+    return gemm_fp8_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
   }
   // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni) runs
   // even where AMX is present: AMX is what "unpack" and "auto" take there
@@ -488,6 +517,10 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     // of the activations or of the [M, N] result (linear's output is in x's dtype)
     note_used(kUsedOnednn);
     return at::linear(x.contiguous(), bf16_weight(W));
+  }
+  if (gemm && W.fmt == kFp8 && W.act_bf16 && fp8_gemm_onednn(kn, true)) {  // likewise, on the dequantized weight
+    note_used(kUsedOnednn);
+    return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
   PreparedAct p = prepare_act(x, W);
   if (gemm) {

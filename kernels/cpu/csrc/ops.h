@@ -45,6 +45,8 @@ void set_emulated_features(int64_t mask);
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16);
 // Whether a BF16 weight's GEMM path calls torch's bf16 linear (oneDNN) for these knobs here.
 bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
+// cpu_fp8_gemm: whether an FP8 weight's GEMM path dequantizes it to bf16 for torch's linear (oneDNN)
+bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128 };
