@@ -30,7 +30,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "cpu_amx_min_tokens) instead of the register microkernel", low=1, high=4096, log=True),
     Knob("cpu_dot_gemm_min_tokens", int, 8, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert): from this many, a weight whose GEMM path runs a "
-         "dot-product GEMM here (INT8 / INT4 on VNNI, BF16 on AVX512-BF16 when cpu_bf16_gemm names it) "
+         "dot-product GEMM here (INT8 / INT4 on VNNI, BF16 on AVX512-BF16 when cpu_bf16_gemm names it; not FP8, "
+         "whose blocks are expanded as they are packed: it starts at cpu_gemm_min_tokens) "
          "takes it instead of the register microkernel; it packs its own weight blocks, with no float32 "
          "unpack, so it wins from fewer rows than cpu_gemm_min_tokens' unpack + BLAS (measured: INT8 / INT4 "
          "from 8-16 rows on an Emerald Rapids VM)", low=1, high=4096, log=True),
@@ -97,14 +98,16 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "cpu_gemm_min_tokens rows): our weight unpack + float32 BLAS, or AMX tiles (unpack); torch's "
          "bf16 linear, i.e. oneDNN, on activations rounded to bf16 with a bf16 output (onednn); our tile "
          "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); "
-         "auto: onednn where the CPU has AVX512-BF16 or AMX and the activations are bf16 already, else unpack",
-         choices=("auto", "unpack", "onednn", "avx512bf16")),
+         "auto, for activations that are bf16 already: onednn where the CPU has AMX, avx512bf16 where it has "
+         "AVX512-BF16, else unpack (float32 activations: unpack)", choices=("auto", "unpack", "onednn", "avx512bf16")),
     Knob("cpu_fp8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with FP8 weights on the GEMM path (from cpu_gemm_min_tokens "
          "rows): weight unpack to float32 + BLAS (unpack), or the weight dequantized to bf16 (each value × its "
          "block scale rounded to bf16, as DeepSeek's FP8 → BF16 cast) and torch's bf16 linear, i.e. oneDNN, on "
-         "activations rounded to bf16 with a bf16 output (onednn); auto: onednn where the CPU has AVX512-BF16 "
-         "or AMX and the activations are bf16 already, else unpack", choices=("auto", "unpack", "onednn")),
+         "activations rounded to bf16 with a bf16 output (onednn), or our tile GEMM on vdpbf16ps over the same "
+         "bf16 values, expanded per 32-row block as it is packed (avx512bf16; needs AVX512-BF16, else unpack); "
+         "auto: onednn where the CPU has AVX512-BF16 or AMX and the activations are bf16 already, else unpack",
+         choices=("auto", "unpack", "onednn", "avx512bf16")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS, or AMX tiles where present (unpack), "
@@ -168,7 +171,7 @@ PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
-                "cpu_fp8_gemm": {"unpack": None, "onednn": None},
+                "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"},
                 "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}

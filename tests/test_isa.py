@@ -200,13 +200,16 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
                 assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {"blas"})
-            for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn"), (torch.float32, torch.bfloat16)):
+            for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16"),
+                                                     (torch.float32, torch.bfloat16)):
                 with cpu.recording() as rec:  # FP8's GEMM path
                     cpu.linear(torch.randn(40, 256, generator=g).to(dtype), weights["fp8"],
                                knobs={"cpu_fp8_gemm": fp8_gemm, "cpu_gemm_min_tokens": 32})
-                onednn = fp8_gemm == "onednn" or (fp8_gemm == "auto" and dtype == torch.bfloat16
-                                                  and bool({"avx512_bf16", "amx"} & mask & HAS))
-                assert rec[0]["isa"] == ("onednn" if onednn else "blas"), (mask, fp8_gemm, dtype, rec[0]["isa"])
+                auto_bf16 = fp8_gemm == "auto" and dtype == torch.bfloat16
+                onednn = fp8_gemm == "onednn" or (auto_bf16 and "amx" in mask & HAS)
+                dot = (fp8_gemm == "avx512bf16" or auto_bf16) and "avx512_bf16" in mask & HAS
+                want = "onednn" if onednn else "avx512bf16" if dot else "blas"
+                assert rec[0]["isa"] == want, (mask, fp8_gemm, dtype, rec[0]["isa"])
     assert cpu.features() == HAS  # the mask is restored
 
 
@@ -547,7 +550,7 @@ def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
     """cpu_fp8_gemm=onednn on the GEMM path: the FP8 weight times its block scales, rounded to bf16 (K
     1000: a partial last scale block), then torch's bf16 F.linear, bitwise; within the bf16 bound of
     the FP8 reference on float32 activations (rounded to bf16); auto takes it only for bf16 activations
-    on a CPU with AVX512-BF16 or AMX."""
+    on a CPU with AMX (with AVX512-BF16 alone: our tile GEMM, cpu_fp8_gemm=avx512bf16)."""
     t, n, k = LINEAR_SHAPES[shape]
     g = torch.Generator().manual_seed(t + n + 1)
     w = make_weight(torch.randn(n, k, generator=g) * 0.05, "fp8")
@@ -563,7 +566,7 @@ def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
     check(got, reference.linear(x.bfloat16(), w), BF16_LINEAR, f"fp8 onednn {shape}")
     check(forced, reference.linear(x, w), BF16_LINEAR, f"fp8 onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
-    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
+    auto = "onednn" if "amx" in HAS else "avx512bf16" if "avx512_bf16" in HAS else "blas"
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
     assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == "blas"
@@ -609,10 +612,13 @@ def test_dot_tiles_match_exact_math(shape):
             tiles(xi, wi, 2)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "fp8"])
 def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
+    """The tile GEMM on vpdpbusd / vdpbf16ps through linear and fused MoE, model and native. FP8 runs
+    on the BF16 engine with each 32-row block expanded to bf16(value × block scale) as it is packed:
+    within float32 rounding of torch's linear on that cast, within the bf16 bound of the reference."""
     knob, value, feature = (("cpu_int8_gemm", "vnni", "avx512_vnni") if fmt == "int8"
-                            else ("cpu_bf16_gemm", "avx512bf16", "avx512_bf16"))
+                            else (f"cpu_{fmt}_gemm", "avx512bf16", "avx512_bf16"))
     g = torch.Generator().manual_seed(9)
     w = make_weight(torch.randn(130, 1000, generator=g) * 0.05, fmt)
     x = torch.randn(37, 1000, generator=g)
@@ -623,6 +629,10 @@ def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
     if fmt == "int8":  # exact integer sums: equal to the unpack + BLAS path
         assert torch.equal(got, cpu.linear(x, w, knobs={**knobs, knob: "unpack"}))
         check(got, reference.linear(x, w), TIGHT, "vnni tiles")
+    elif fmt == "fp8":
+        cast = w.dequantize().float().bfloat16().float()
+        check(got, torch.nn.functional.linear(x.bfloat16().float(), cast), TIGHT, "fp8 dot tiles vs the bf16 cast")
+        check(got, reference.linear(x, w), BF16_LINEAR, "fp8 dot tiles vs the reference")
     else:
         check(got, reference.linear(x.bfloat16().float(), w), TIGHT, "bf16 dot tiles vs rounded activations")
     if feature in HAS:

@@ -231,6 +231,40 @@ void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes,
     }
 }
 
+// Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the dot engine (cpu_fp8_gemm=avx512bf16):
+// each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
+// onednn variant), into the scratch `rows` ([32][kbytes], zero past K and past N), then pack_b's
+// BF16 layout at b. The scales are folded into B, so the sums are the result.
+void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, float* tmp, uint8_t* b) {
+  for (int64_t n = 0; n < 32; ++n) {
+    uint8_t* d = rows + n * kbytes;
+    int64_t done = 0;
+    if (n0 + n < W.N) {  // 32 values at a time: E4M3 → float32, × the block's scale, → bf16 (nearest even)
+      const int64_t r = n0 + n;
+      const uint8_t* src = W.w + r * W.row_bytes;
+      const float* srow = W.scale + (r / W.block_n) * W.scale_ld;
+      for (int64_t k = 0; k < W.K; k += 32) {
+        const int64_t m = std::min<int64_t>(32, W.K - k);
+        __m512 a, c;
+        Loader<kFp8>::load(W, src, k, m, a, c);
+        const __m512 sc = _mm512_set1_ps(srow[k / W.group]);
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(a, sc));
+        _mm512_storeu_ps(tmp + 16, _mm512_mul_ps(c, sc));
+        to_bf16(tmp, m, reinterpret_cast<uint16_t*>(d) + k);
+      }
+      done = 2 * W.K;
+    }
+    std::memset(d + done, 0, kbytes - done);
+  }
+  WeightView E;
+  E.fmt = kBF16;
+  E.w = rows;
+  E.row_bytes = kbytes;
+  E.N = 32;
+  E.K = kbytes / 2;
+  pack_b(E, 0, kbytes, kbytes, b);
+}
+
 // Rows [m0, m0 + rows) × columns [n0, n0 + 32) of the result, from c (element (i, h, j) — row i,
 // column n0 + 16h + j — at c[i·c_row + h·c_half + j]; INT8: int32 sums, BF16: float32 bits) into out
 // [M, N], 16 lanes at a time, masked at M and N. comp: nullptr, or INT8 on unsigned A (A + 128): the
@@ -321,9 +355,13 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
     std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
     uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
     alignas(64) int32_t c[8 * 32];
+    const bool fp8 = W.fmt == kFp8;  // expanded to BF16 per block (pack_fp8_b)
+    std::vector<uint8_t> rows(fp8 ? 32 * kbytes : 0);
+    alignas(64) float tmp[32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      if (fp8) pack_fp8_b(W, nb * 32, kbytes, rows.data(), tmp, b);
+      else pack_b(W, nb * 32, data_bytes, kbytes, b);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         block(a + m0 * kbytes, kbytes, b, c);
         write_back<Int8>(c, 32, 16, 8, m0, nb * 32, M, N, comp, out);
@@ -455,8 +493,9 @@ bool amx_usable(int fmt, bool act_bf16) {
 // emulation, or the AVX-512 dot-product engine (gemm_dot, on the instructions or their models; INT8
 // needs W.wsum).
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine) {
-  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8, "tile GEMM: BF16 or INT8 weights only");
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
+  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && dot),
+              "tile GEMM: BF16 or INT8 weights (FP8 on the dot-product engine) only");
   if (engine == kTilesAmx) {
     TORCH_CHECK(amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: AMX is masked off (set_feature_mask)");

@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("onednn", moetune::kBf16GemmOnednn).value("avx512bf16", moetune::kBf16GemmDot);
   py::enum_<moetune::Fp8Gemm>(m, "Fp8Gemm")
       .value("auto", moetune::kFp8GemmAuto).value("unpack", moetune::kFp8GemmUnpack)
-      .value("onednn", moetune::kFp8GemmOnednn);
+      .value("onednn", moetune::kFp8GemmOnednn).value("avx512bf16", moetune::kFp8GemmDot);
   py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
       .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
       .value("vnni", moetune::kInt8GemmVnni);

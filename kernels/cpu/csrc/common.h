@@ -41,7 +41,7 @@ enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
 // bf16 linear (oneDNN); auto: oneDNN where the CPU has AVX512-BF16 or AMX and the activations are bf16.
 // avx512bf16: our tile GEMM on vdpbf16ps (amx.cpp's DotTiles).
 enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3 };
-enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2 };
+enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, kFp8GemmDot = 3 };
 // cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS (or AMX), or our tile GEMM on vpdpbusd.
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2 };
 // cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd

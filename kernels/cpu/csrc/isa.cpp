@@ -58,9 +58,12 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
   return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
 }
 
+// auto: oneDNN where the CPU has AMX (it runs its AMX kernels; ours has no FP8 form), our BF16 tile GEMM
+// where it has AVX512-BF16 only (gemm_dot_engine; 1.1-1.3x oneDNN on the dequantized weight on a Zen 4
+// VM, docs/cpu_kernels.md), and only for activations that are bf16 already
 bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
   if (kn.fp8_gemm != kFp8GemmAuto) return kn.fp8_gemm == kFp8GemmOnednn;
-  return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
+  return act_bf16 && (usable_features() & kFeatAmx);
 }
 
 int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
@@ -71,6 +74,8 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   const bool vnni = kn.int8_gemm == kInt8GemmVnni || (kn.int8_gemm == kInt8GemmAuto && !(have & kFeatAmx));
   if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
+  if (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmDot || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16 && !(have & kFeatAmx))))
+    feat = kFeatBf16;
   // INT4 (amx.cpp gemm_int4): AMX has no INT4 form, so auto takes VNNI wherever the CPU has it
   if (W.fmt == kInt4 && kn.int4_gemm != kInt4GemmUnpack) feat = kFeatVnni;
   if (!feat) return -1;

@@ -104,7 +104,7 @@ void Knobs::check() const {
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni && fp8_gemm >= kFp8GemmAuto &&
-                  fp8_gemm <= kFp8GemmOnednn,
+                  fp8_gemm <= kFp8GemmDot,
               "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
               "fp8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
@@ -480,7 +480,8 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   const int engine = gemm_dot_engine(W, kn);
   if (engine >= 0) {
     const bool model = engine == kTilesDotModel;
-    note_used(W.fmt != kBF16 ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
+    const bool bf16_dot = W.fmt == kBF16 || W.fmt == kFp8;
+    note_used(!bf16_dot ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
     return W.fmt == kInt4 ? gemm_int4(x_act, W, model) : gemm_tiles_run(x_act, W, engine);
   }
   note_used(kUsedBlas);

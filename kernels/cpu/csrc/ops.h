@@ -100,12 +100,13 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // activations quantized to int8 per (token, group) inside (amx.cpp).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model);
 // From how many activation rows a weight takes the GEMM path: dot_gemm_min_tokens where its GEMM runs a
-// dot-product engine here (no float32 unpack: it wins from fewer rows); bf16_gemm_min_tokens for a BF16
-// weight on the unpack + BLAS path (the split BF16 microkernel outruns it up to a few hundred rows); else
-// gemm_min_tokens (oneDNN's BF16, and the unpack path of the other formats); AMX (under the feature mask
-// too) from amx_min_tokens at the latest.
+// dot-product engine here (no float32 unpack: it wins from fewer rows; FP8 excepted, whose blocks are
+// expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
+// (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
+// any path, and the unpack path of the other formats); AMX (under the feature mask too) from
+// amx_min_tokens at the latest.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
-  const int64_t from = gemm_dot_engine(W, kn) >= 0                              ? kn.dot_gemm_min_tokens
+  const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
   return amx_usable(W.fmt, W.act_bf16) ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
