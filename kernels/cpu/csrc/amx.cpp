@@ -231,6 +231,17 @@ void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes,
     }
 }
 
+// 32 scratch rows of kbytes bytes each (fmt's elements, zero-padded) laid out by pack_b at b.
+void pack_scratch_b(const uint8_t* rows, int64_t kbytes, int fmt, uint8_t* b) {
+  WeightView E;
+  E.fmt = fmt;
+  E.w = rows;
+  E.row_bytes = kbytes;
+  E.N = 32;
+  E.K = fmt == kBF16 ? kbytes / 2 : kbytes;
+  pack_b(E, 0, kbytes, kbytes, b);
+}
+
 // Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the dot engine (cpu_fp8_gemm=avx512bf16):
 // each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
 // onednn variant), into the scratch `rows` ([32][kbytes], zero past K and past N), then pack_b's
@@ -256,13 +267,7 @@ void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, 
     }
     std::memset(d + done, 0, kbytes - done);
   }
-  WeightView E;
-  E.fmt = kBF16;
-  E.w = rows;
-  E.row_bytes = kbytes;
-  E.N = 32;
-  E.K = kbytes / 2;
-  pack_b(E, 0, kbytes, kbytes, b);
+  pack_scratch_b(rows, kbytes, kBF16, b);
 }
 
 // Rows [m0, m0 + rows) × columns [n0, n0 + 32) of the result, from c (element (i, h, j) — row i,
@@ -449,13 +454,7 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
     }
     std::memset(d + done, 0, kbytes - done);
   }
-  WeightView E;
-  E.fmt = kInt8;
-  E.w = rows;
-  E.row_bytes = kbytes;
-  E.N = 32;
-  E.K = kbytes;
-  pack_b(E, 0, kbytes, kbytes, b);
+  pack_scratch_b(rows, kbytes, kInt8, b);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < 32; ++j) {
       const int64_t n = n0 + j;
