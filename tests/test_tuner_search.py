@@ -1,6 +1,8 @@
 """The search: failures never chosen, pruning, confirmation against the defaults, resume; drift
 measured rather than learned; a mix's profile never slower at any point; the correctness gate;
 profiles hold only what the workload observed."""
+import dataclasses
+
 import optuna
 import pytest
 
@@ -94,6 +96,27 @@ def test_resume_after_interruption(tmp_path):
     assert len(second.study.trials) == 12  # the old trials were kept and counted, not redone
     assert sum(t.user_attrs.get("seed") == "defaults" for t in second.study.trials) == 1
     assert done_before == len([t for t in second.study.trials if t.number < done_before])
+
+
+def test_a_changed_catalogue_starts_its_own_study(tmp_path):
+    """A knob's choices differ from the stored study's (a kernel variant added or removed since): the
+    rerun opens a study of its own (the name plus the space's signature) instead of failing on Optuna's
+    "dynamic value space"; the unchanged space resumes its old study under its own name."""
+    from tuner.space import SearchSpace
+    from tuner_toys import TOY_CATALOGUE, TOY_LIMITS
+
+    cfg = TuneConfig(trials=6, repeats=1, warmup=0, seed=7)
+    first = Tuner(toy_space(), ToyObjective(), cfg, storage(tmp_path, True), "changed")
+    assert first.run().trials_done == 6
+    cat = {**TOY_CATALOGUE, "method": dataclasses.replace(TOY_CATALOGUE["method"], choices=("lut", "vector"))}
+    space = SearchSpace.from_catalogue(None, catalogue=cat, limits=TOY_LIMITS, exclude_components=())
+    assert space.signature() != toy_space().signature() and toy_space().signature() == toy_space().signature()
+    second = Tuner(space, ToyObjective(), cfg, storage(tmp_path, True), "changed")
+    assert first.study.study_name == "changed" and second.study.study_name == f"changed-{space.signature()}"
+    assert len(second.study.trials) == 0
+    assert second.run().trials_done == 6
+    third = Tuner(toy_space(), ToyObjective(), cfg, storage(tmp_path, True), "changed")
+    assert third.study.study_name == first.study.study_name and len(third.study.trials) == 6
 
 
 def test_pareto_objective_keeps_two_metrics(tmp_path):

@@ -219,6 +219,19 @@ class TuneResult:
             if self.kept else None
 
 
+def _choices_changed(study, space: SearchSpace) -> bool:
+    """Whether a stored trial of `study` sampled a categorical knob of `space` from other choices than
+    the space's today (Optuna refuses to resume such a study: "dynamic value space")."""
+    now = {k.name: tuple(k.choices) if k.choices is not None else (False, True)
+           for k in space.knobs if k.choices is not None or k.type is bool}
+    for t in study.get_trials(deepcopy=False):
+        for name, dist in t.distributions.items():
+            if name in now and isinstance(dist, optuna.distributions.CategoricalDistribution) \
+                    and tuple(dist.choices) != now[name]:
+                return True
+    return False
+
+
 class Tuner:
     """Runs one study: search trials, then the confirmation that decides the kept knob set."""
 
@@ -228,6 +241,8 @@ class Tuner:
         self.space, self.obj, self.cfg, self.suite = space, objective, cfg, suite
         self.study_name = study_name or f"{objective.name}-{objective.model}-{objective.format}"
         self.study = open_study(self.study_name, objective.metrics, storage, cfg)
+        if _choices_changed(self.study, space):  # a kernel variant added or removed since: Optuna would fail
+            self.study = open_study(f"{self.study_name}-{space.signature()}", objective.metrics, storage, cfg)
         self.prior, self.run_id = prior, new_run_id()
         self.defaults = _defaults(space)
         self._call_s: list[float] = []  # seconds per runner call, to size the confirmation

@@ -18,6 +18,7 @@ behave like it, so its default is clipped there and a value at the cap is no cha
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -97,6 +98,14 @@ class SearchSpace:
     @property
     def names(self) -> list[str]:
         return [k.name for k in self.knobs]
+
+    def signature(self) -> str:
+        """A short hash of what Optuna fixes per study: each searched knob's name and kind, and the
+        choices of a categorical one. Where a stored study sampled other choices than today's (a kernel
+        variant added since), the tuner resumes `<name>-<signature>` instead (tuner.search.Tuner)."""
+        parts = [f"{k.name}:{k.type.__name__}:{list(k.choices) if k.choices is not None else ('pow2' if k.pow2 else k.log)}"
+                 for k in self.knobs]
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:8]
 
     def suggest(self, trial) -> dict[str, Any]:
         """Sample one configuration (searched knobs only) through an Optuna trial."""
