@@ -346,6 +346,24 @@ def test_bf16_dot_under_the_other_attention_knobs(knobs):
     check(got, reference.mla_decode(*args), DOT, f"mla_decode dot {knobs}")
 
 
+def test_kv_splits_never_exceed_what_the_threads_need():
+    """A sequence's keys are split only while there are fewer (sequence, KV head, head block) tasks
+    than threads: with 2 threads, one sequence runs in 2 pieces whatever the cap above 2 (bitwise
+    equal), a batch of 4 in one piece each (any cap gives the same bits); a cap of 1 still holds."""
+    args1 = mla_inputs("regular_b1_2048", BF, F32)
+    args4 = mla_inputs("regular_b4", BF, F32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run = lambda args, s: cpu.mla_decode(*args, knobs={"cpu_attn_kv_splits": s})  # noqa: E731
+        assert same_bits(run(args1, 2), run(args1, 8)) and same_bits(run(args1, 2), run(args1, 64))
+        assert not same_bits(run(args1, 1), run(args1, 2))  # one piece: a different summation order
+        assert same_bits(run(args4, 1), run(args4, 8)) and same_bits(run(args4, 1), run(args4, 64))
+        check(run(args1, 64), reference.mla_decode(*args1), tol(F32), "mla_decode, splits capped")
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_bf16_dot_auto_takes_only_bf16_queries_and_a_bf16_cache():
     """auto: the dot form where the queries are bf16 values already (nothing rounded that the model did
     not round); float32 queries, a float32 cache or an odd key length keep the float32 FMAs, even when
