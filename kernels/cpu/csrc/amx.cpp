@@ -246,23 +246,12 @@ void pack_scratch_b(const uint8_t* rows, int64_t kbytes, int fmt, uint8_t* b) {
 // each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
 // onednn variant), into the scratch `rows` ([32][kbytes], zero past K and past N), then pack_b's
 // BF16 layout at b. The scales are folded into B, so the sums are the result.
-void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, float* tmp, uint8_t* b) {
+void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, uint8_t* b) {
   for (int64_t n = 0; n < 32; ++n) {
     uint8_t* d = rows + n * kbytes;
     int64_t done = 0;
-    if (n0 + n < W.N) {  // 32 values at a time: E4M3 → float32, × the block's scale, → bf16 (nearest even)
-      const int64_t r = n0 + n;
-      const uint8_t* src = W.w + r * W.row_bytes;
-      const float* srow = W.scale + (r / W.block_n) * W.scale_ld;
-      for (int64_t k = 0; k < W.K; k += 32) {
-        const int64_t m = std::min<int64_t>(32, W.K - k);
-        __m512 a, c;
-        Loader<kFp8>::load(W, src, k, m, a, c);
-        const __m512 sc = _mm512_set1_ps(srow[k / W.group]);
-        _mm512_storeu_ps(tmp, _mm512_mul_ps(a, sc));
-        _mm512_storeu_ps(tmp + 16, _mm512_mul_ps(c, sc));
-        to_bf16(tmp, m, reinterpret_cast<uint16_t*>(d) + k);
-      }
+    if (n0 + n < W.N) {
+      fp8_row_bf16(W, n0 + n, reinterpret_cast<uint16_t*>(d));
       done = 2 * W.K;
     }
     std::memset(d + done, 0, kbytes - done);
@@ -362,10 +351,9 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
     alignas(64) int32_t c[8 * 32];
     const bool fp8 = W.fmt == kFp8;  // expanded to BF16 per block (pack_fp8_b)
     std::vector<uint8_t> rows(fp8 ? 32 * kbytes : 0);
-    alignas(64) float tmp[32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      if (fp8) pack_fp8_b(W, nb * 32, kbytes, rows.data(), tmp, b);
+      if (fp8) pack_fp8_b(W, nb * 32, kbytes, rows.data(), b);
       else pack_b(W, nb * 32, data_bytes, kbytes, b);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         block(a + m0 * kbytes, kbytes, b, c);

@@ -6,6 +6,7 @@
 // vector for INT8), the conversion happening in registers.
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -115,7 +116,7 @@ inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // dst[i] = x[i] rounded to bfloat16 (nearest even; finite values: attention's queries and
-// probabilities, FP8 weights dequantized for cpu_fp8_gemm=onednn), n values.
+// probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16), n values.
 inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask16(n - i);
@@ -191,6 +192,23 @@ struct Loader<kFp8> {
     b = fp8x16_to_f32(x1);
   }
 };
+
+// Row r of an FP8 weight as bf16: each value times its block scale, rounded to nearest even (DeepSeek's
+// FP8 → BF16 cast of its checkpoint), K values at dst. The FP8 GEMM variants' weight (cpu_fp8_gemm).
+inline void fp8_row_bf16(const WeightView& W, int64_t r, uint16_t* dst) {
+  const uint8_t* src = W.w + r * W.row_bytes;
+  const float* srow = W.scale + (r / W.block_n) * W.scale_ld;
+  alignas(64) float tmp[32];
+  for (int64_t k = 0; k < W.K; k += 32) {
+    const int64_t m = std::min<int64_t>(32, W.K - k);
+    __m512 a, c;
+    Loader<kFp8>::load(W, src, k, m, a, c);
+    const __m512 s = _mm512_set1_ps(srow[k / W.group]);
+    _mm512_store_ps(tmp, _mm512_mul_ps(a, s));
+    _mm512_store_ps(tmp + 16, _mm512_mul_ps(c, s));
+    to_bf16(tmp, m, dst + k);
+  }
+}
 
 // INT4: per 32 elements 16 bytes, byte i = q[i] | q[i + 16] << 4 (unsigned nibbles); rows are
 // padded to a whole number of groups, so no tail handling is needed (the activations are zero there).

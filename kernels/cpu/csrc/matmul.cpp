@@ -449,12 +449,7 @@ at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs
   for (int64_t n0 = 0; n0 < W.N; n0 += bn) {
     const int64_t n1 = std::min(W.N, n0 + bn);
     at::parallel_for(n0, n1, 4, [&](int64_t s, int64_t e) {
-      static thread_local std::vector<float> row;
-      if ((int64_t)row.size() < W.K) row.resize(W.K);
-      for (int64_t r = s; r < e; ++r) {
-        unpack_rows_f32(W, r, r + 1, row.data());
-        to_bf16(row.data(), W.K, o + (r - n0) * W.K);
-      }
+      for (int64_t r = s; r < e; ++r) fp8_row_bf16(W, r, o + (r - n0) * W.K);
     });
     out.narrow(1, n0, n1 - n0).copy_(at::linear(x, wb.narrow(0, 0, n1 - n0)));
   }
