@@ -282,19 +282,21 @@ HUGE_MIN_BYTES = 2 << 20  # below one huge page the copy gains nothing
 _BULK_FIELD = {DenseWeight: "w", Int8ChannelWeight: "w", Fp8BlockWeight: "w", Int4GroupWeight: "packed"}
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
 def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor in 2 MiB-aligned storage advised for transparent huge pages (the
     loader places weights straight into it when cpu_huge_pages is on: no copy at prepare())."""
-    shape = tuple(shape)
-    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return _ext.huge_empty(n).view(dtype).view(shape)
+    return _ext.huge_empty(_nbytes(shape, dtype)).view(dtype).view(tuple(shape))
 
 
 def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """Storage for a weight's bytes as the loader allocates it with cpu_huge_pages on: huge_empty from
     one huge page (2 MiB) on, torch's allocator below (a smaller weight would waste most of a page)."""
-    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return huge_empty(shape, dtype) if n >= HUGE_MIN_BYTES else torch.empty(tuple(shape), dtype=dtype)
+    big = _nbytes(shape, dtype) >= HUGE_MIN_BYTES
+    return huge_empty(shape, dtype) if big else torch.empty(tuple(shape), dtype=dtype)
 
 
 def _in_huge_pages(t: torch.Tensor) -> bool:
