@@ -8,12 +8,20 @@ $MOETUNE_BUILD_DIR, else <moetune cache>/build, under a folder named by the hash
 and flags, so a changed source rebuilds and an unchanged one loads in milliseconds. The first build
 takes about a minute on two cores and shows a spinner on stderr.
 
-The kernels need AVX-512 F/BW/VL/DQ; `load()` refuses (ImportError, with the reason) on a CPU
-without them, before compiling anything. The global flags name only those: the variants on newer
-instructions (AVX512-VNNI, AVX512-BF16, AMX) are compiled with function-level target attributes
-(csrc/dot.h, micro_dot.inc, amx.cpp) and chosen at run time by cpuid (csrc/isa.cpp), so an
-extension built on one machine runs on any AVX-512 CPU. Never add -mavx512vnni / -mavx512bf16 /
--mamx-* to CFLAGS. Nothing here imports the engine.
+Two builds of the same sources, chosen at load by /proc/cpuinfo (never by the build machine):
+- "avx512" needs AVX-512 F/BW/VL/DQ. The global flags name only those: the variants on newer
+  instructions (AVX512-VNNI, AVX512-BF16, AMX) are compiled with function-level target attributes
+  (csrc/dot.h, micro_dot.inc, amx.cpp) and chosen at run time by cpuid (csrc/isa.cpp), so an
+  extension built on one machine runs on any AVX-512 CPU. Never add -mavx512vnni / -mavx512bf16 /
+  -mamx-* to its flags.
+- "avx2" needs AVX2, FMA and F16C (AMD Zen 1-3, Intel Haswell and later client cores): the same
+  kernel source compiled against csrc/avx512_model.h, a C++ model of every AVX-512 instruction it
+  uses on pairs of 256-bit registers, force-included first. VNNI, BF16 and AMX run there on their
+  C++ models only (tests); isa.cpp reports none of them.
+`MOETUNE_CPU_BUILD` = auto (default: avx512 where the CPU has it, else avx2) | avx512 | avx2 picks
+one by hand: the tests run the AVX2 build on AVX-512 machines that way, so the model is checked
+against the native instructions. `load()` refuses (ImportError, with the reason) where the chosen
+build cannot run, before compiling anything. Nothing here imports the engine.
 """
 from __future__ import annotations
 
@@ -30,10 +38,19 @@ CSRC = Path(__file__).resolve().parent / "cpu" / "csrc"
 SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_int8.cpp", "micro_fp8.cpp", "micro_int4.cpp",
            "matmul.cpp", "moe.cpp", "attention.cpp", "small_ops.cpp", "probe.cpp", "amx.cpp", "isa.cpp", "runner.cpp",
            "bindings.cpp")
-HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc")
-REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-fopenmp",
-          "-ffp-contract=off", "-Wno-unused-variable"]
+HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc",
+           "avx512_model.h")
+_COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wno-unused-variable"]
+# build → (the cpuinfo flags it needs, its compiler flags)
+BUILDS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"] + _COMMON),
+    "avx2": (("avx2", "fma", "f16c"),
+             ["-mavx2", "-mfma", "-mf16c", "-DMOETUNE_AVX2_BUILD", "-include", "avx512_model.h", "-Wno-psabi"] + _COMMON),
+}
+BUILD_ENV = "MOETUNE_CPU_BUILD"
+REQUIRED_ISA = BUILDS["avx512"][0]
+CFLAGS = BUILDS["avx512"][1]
 LDFLAGS = ["-fopenmp"]
 
 
@@ -47,10 +64,40 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def missing_isa() -> list[str]:
-    """The required ISA extensions this CPU lacks (empty: the kernels can run here)."""
+def requested_build() -> str:
+    """MOETUNE_CPU_BUILD: auto, avx512 or avx2 (ValueError on anything else)."""
+    want = os.environ.get(BUILD_ENV, "auto").strip().lower() or "auto"
+    if want != "auto" and want not in BUILDS:
+        raise ValueError(f"{BUILD_ENV}={want!r}: expected auto, {' or '.join(BUILDS)}")
+    return want
+
+
+def missing_for(build: str) -> list[str]:
+    """The ISA extensions this CPU lacks for one build (empty: it runs here)."""
     flags = cpu_flags()
-    return [f for f in REQUIRED_ISA if f not in flags]
+    return [f for f in BUILDS[build][0] if f not in flags]
+
+
+def selected_build() -> str | None:
+    """The build `load()` takes here: the requested one, or under auto the widest that runs; None if none."""
+    try:
+        want = requested_build()
+    except ValueError:
+        return None
+    if want != "auto":
+        return want if not missing_for(want) else None
+    return next((b for b in BUILDS if not missing_for(b)), None)
+
+
+def missing_isa() -> list[str]:
+    """The ISA extensions this CPU lacks for the kernels (empty: the selected build runs here)."""
+    if selected_build():
+        return []
+    try:
+        want = requested_build()
+    except ValueError:
+        want = "auto"
+    return missing_for("avx2" if want == "auto" else want)
 
 
 def build_root() -> Path:
@@ -60,12 +107,12 @@ def build_root() -> Path:
     return Path(cache) / "build"
 
 
-def source_hash() -> str:
+def source_hash(build: str = "avx512") -> str:
     h = hashlib.sha1()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(" ".join(BUILDS[build][1] + LDFLAGS).encode())
     import torch
 
     h.update(torch.__version__.encode())
@@ -104,25 +151,57 @@ class _Spinner:
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled extension module (building it first if needed); ImportError if impossible."""
-    missing = missing_isa()
-    if missing:
-        raise ImportError(f"this CPU lacks {', '.join(missing)} (the moetune CPU kernels need AVX-512)")
+    """The compiled extension module (building it first if needed); ImportError if impossible.
+    Its `BUILD` attribute names the build (avx512 or avx2)."""
+    try:
+        want = requested_build()
+    except ValueError as e:
+        raise ImportError(str(e)) from None
+    build = selected_build()
+    if build is None:
+        if want == "auto":
+            raise ImportError(f"this CPU lacks {', '.join(missing_for('avx2'))} (the moetune CPU kernels need "
+                              f"AVX-512, or AVX2 with FMA and F16C)")
+        raise ImportError(f"{BUILD_ENV}={want}: this CPU lacks {', '.join(missing_for(want))}")
     from torch.utils import cpp_extension
 
-    name = f"moetune_cpu_{source_hash()}"
+    name = f"moetune_cpu_{build}_{source_hash(build)}"
     build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not (build_dir / f"{name}.so").exists()
-    kwargs = dict(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,
-                  extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
+    kwargs = dict(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=BUILDS[build][1],
+                  extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
+                  verbose=False)
     try:
         if fresh:
-            with _Spinner("moetune: compiling the CPU kernels (first use only)"):
-                return _load_retrying(cpp_extension, kwargs)
-        return _load_retrying(cpp_extension, kwargs)
+            with _Spinner(f"moetune: compiling the CPU kernels, {build} build (first use only)"):
+                mod = _load_retrying(cpp_extension, kwargs)
+        else:
+            mod = _load_retrying(cpp_extension, kwargs)
+        mod.BUILD = build
+        return mod
     except Exception as e:  # compiler missing, build error: the caller falls back
-        raise ImportError(f"building the moetune CPU kernels failed: {str(e).strip().splitlines()[-1]}") from e
+        raise ImportError(f"building the moetune CPU kernels ({build}) failed: {str(e).strip().splitlines()[-1]}") from e
+
+
+def library(build: str) -> Path:
+    """The shared library of one build, compiled if needed but not loaded: the codegen tests read the
+    AVX-512 build's instructions (objdump) on every machine, including one that cannot run it."""
+    if build == selected_build():
+        return Path(load().__file__)
+    from torch.utils import cpp_extension
+
+    name = f"moetune_cpu_{build}_{source_hash(build)}"
+    build_dir = build_root() / name
+    so = build_dir / f"{name}.so"
+    if not so.exists():
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _Spinner(f"moetune: compiling the CPU kernels, {build} build (to inspect, not to run)"):
+            # the private half of cpp_extension.load that builds without importing (torch 2.13)
+            cpp_extension._write_ninja_file_and_build_library(
+                name, [str(CSRC / s) for s in SOURCES], BUILDS[build][1], None, None, LDFLAGS, [str(CSRC)],
+                str(build_dir), False, False, False)
+    return so
 
 
 def _load_retrying(cpp_extension, kwargs: dict, attempts: int = 3):

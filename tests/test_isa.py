@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kernels import formats, reference
+from kernels import cpu_build
 from kernels.cpu_build import missing_isa
 
 if missing_isa():
@@ -251,8 +252,9 @@ def test_the_tuner_searches_only_variants_that_run_here():
 
 @functools.lru_cache(maxsize=1)
 def disassembly() -> dict[str, list[tuple[int, str]]]:
-    """The built extension's functions (objdump, demangled names): per function, its (address, instruction)."""
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", cpu._ext.__file__], capture_output=True,
+    """The AVX-512 build's functions (objdump, demangled names): per function, its (address, instruction);
+    compiled here if the CPU runs the AVX2 build (cpu_build.library)."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(cpu_build.library("avx512"))], capture_output=True,
                          text=True, check=True).stdout
     funcs, fn = {}, None
     for line in out.splitlines():

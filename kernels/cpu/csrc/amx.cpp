@@ -455,6 +455,9 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
 
 const std::string& amx_unavailable() {
   static const std::string reason = [] {
+#ifdef MOETUNE_AVX2_BUILD
+    return std::string("the AVX2 build of the kernels runs no AMX (its tile model only)");
+#endif
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return std::string("cpuid leaf 7 is absent");
     const bool tile = d & (1u << 24), bf16 = d & (1u << 22), int8 = d & (1u << 25);

@@ -6,13 +6,21 @@
 #pragma once
 #include "common.h"
 
+#ifdef MOETUNE_AVX2_BUILD
+// the AVX2 build (avx512_model.h) runs no AVX-512 instruction: the "native" policies are compiled as
+// their models (isa.cpp never selects them there: detected_features() reports no VNNI, no BF16)
+#define MOETUNE_TARGET_VNNI
+#define MOETUNE_TARGET_BF16
+#else
 #define MOETUNE_TARGET_VNNI __attribute__((target("avx512vnni")))
 #define MOETUNE_TARGET_BF16 __attribute__((target("avx512bf16")))
+#endif
 #define MOETUNE_INLINE inline __attribute__((always_inline))
 
 namespace moetune {
 
 // vpdpbusd: per 32-bit lane i, acc[i] += Σ_{j<4} u8(a[4i+j]) · s8(b[4i+j]) (exact, int32 wrap-around).
+#ifndef MOETUNE_AVX2_BUILD
 struct VnniHw {
   // inline assembly rather than the intrinsic: GCC 12 copies the accumulator out and back around
   // every _mm512_dpbusd_epi32 in a loop (two register moves per instruction on the vector ports,
@@ -22,6 +30,8 @@ struct VnniHw {
     return acc;
   }
 };
+
+#endif
 
 // The model: even and odd bytes widened to 16-bit lanes (a zero-extended, b sign-extended) and
 // multiplied pairwise by vpmaddwd (products ≤ 255·128, pair sums exact in int32).
@@ -38,12 +48,15 @@ struct VnniModel {
 // vdpbf16ps: per 32-bit lane i, acc[i] += a.bf16[2i+1]·b.bf16[2i+1], then += a.bf16[2i]·b.bf16[2i],
 // in float32 (each product exact, each add rounded to nearest even), denormal inputs read as zero and
 // denormal results flushed to zero, whatever MXCSR says.
+#ifndef MOETUNE_AVX2_BUILD
 struct Bf16Hw {
   MOETUNE_TARGET_BF16 static MOETUNE_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
     asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // as VnniHw::dpbusd
     return acc;
   }
 };
+
+#endif
 
 // The model: the odd and even halves of each lane as float32 (a mask, a shift), multiplied and
 // added in that order; the caller runs it with MXCSR.DAZ and FTZ set (micro_sweep), which gives the
@@ -57,6 +70,11 @@ struct Bf16Model {
     return _mm512_add_ps(acc, _mm512_mul_ps(a_even, b_even));
   }
 };
+
+#ifdef MOETUNE_AVX2_BUILD
+struct VnniHw : VnniModel {};
+struct Bf16Hw : Bf16Model {};
+#endif
 
 // rows × tokens instantiations of one dot-product kernel (rows 4 or 8, tokens 1, 2 or 4)
 #define MOETUNE_DOT_PICK(NS, KERNEL, P, rows, tokens)                                  \

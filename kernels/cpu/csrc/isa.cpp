@@ -18,6 +18,9 @@ const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", 
 unsigned detected_features() {
   static const unsigned f = [] {
     unsigned a = 0, b = 0, c = 0, d = 0, out = 0;
+#ifdef MOETUNE_AVX2_BUILD
+    return out;  // the AVX2 build runs no AVX-512 form: VNNI, BF16 and AMX only on their C++ models
+#endif
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
       const unsigned subleaves = a;
       if (c & (1u << 11)) out |= kFeatVnni;  // leaf 7 ECX bit 11: AVX512_VNNI

@@ -159,6 +159,9 @@ double int16_madd_gops(int64_t iters) {
 // GOP/s of vpdpbusd (AVX512-VNNI: 64 u8 × s8 multiply-adds per instruction), 8 chains per thread.
 MOETUNE_TARGET_VNNI double vnni_int8_gops(int64_t iters) {
   TORCH_CHECK(usable_features() & kFeatVnni, "this CPU has no AVX512-VNNI (or it is masked off)");
+#ifdef MOETUNE_AVX2_BUILD
+  return 0;  // unreachable: the AVX2 build reports no VNNI
+#else
   int64_t sink = 0;
   const double t0 = now();
   int threads = 1;
@@ -180,11 +183,15 @@ MOETUNE_TARGET_VNNI double vnni_int8_gops(int64_t iters) {
   const double dt = now() - t0;
   if (sink == 12345) std::printf(" ");
   return 2.0 * 64 * 8 * iters * threads / dt / 1e9;
+#endif
 }
 
 // GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 multiply-adds per instruction), 12 chains per thread.
 MOETUNE_TARGET_BF16 double bf16_dot_gflops(int64_t iters) {
   TORCH_CHECK(usable_features() & kFeatBf16, "this CPU has no AVX512-BF16 (or it is masked off)");
+#ifdef MOETUNE_AVX2_BUILD
+  return 0;  // unreachable: the AVX2 build reports no AVX512-BF16
+#else
   double sink = 0;
   const double t0 = now();
   int threads = 1;
@@ -204,6 +211,7 @@ MOETUNE_TARGET_BF16 double bf16_dot_gflops(int64_t iters) {
   const double dt = now() - t0;
   if (sink == 1234.5) std::printf(" ");
   return 2.0 * 32 * 12 * iters * threads / dt / 1e9;
+#endif
 }
 
 }  // namespace moetune

@@ -1,0 +1,177 @@
+"""The two builds of the cpu kernels (kernels/cpu_build.py): "avx512", and "avx2", the same sources
+compiled against csrc/avx512_model.h (a C++ model of the AVX-512 instructions on AVX2 + FMA + F16C).
+
+- Selection: auto takes avx512 where /proc/cpuinfo has AVX-512 F/BW/VL/DQ, else avx2 where it has
+  AVX2/FMA/F16C, else nothing (one clear ImportError); MOETUNE_CPU_BUILD forces one, and refuses one
+  the CPU cannot run, or a value that is no build, with one line.
+- The AVX2 build holds no AVX-512 instruction (objdump: no zmm, no mask register, no EVEX-only xmm/ymm
+  16-31): it must run on a CPU without AVX-512.
+- Where this CPU runs the AVX-512 build, the AVX2 build runs here too: it must give the AVX-512 build's
+  results bit for bit (the model is exact: same operations, same order; measured equal on every
+  case below), and the kernel conformance tests pass on it (a subprocess with MOETUNE_CPU_BUILD=avx2).
+  Where this CPU runs only the AVX2 build, the whole suite already runs on it, and the native side of
+  the comparison cannot run: those two tests skip, naming the missing feature.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_build
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS_AVX512 = not cpu_build.missing_for("avx512")
+RUNS_AVX2 = not cpu_build.missing_for("avx2")
+
+
+def flags_of(*names: str):
+    return lambda: set(names)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"), "avx512"),
+    (("avx2", "fma", "f16c", "sse4_2"), "avx2"),                       # Zen 3
+    (("avx512f", "avx2", "fma", "f16c"), "avx2"),                      # Xeon Phi: no BW/VL/DQ
+    (("avx", "sse4_2"), None),                                         # Sandy Bridge
+])
+def test_auto_takes_the_widest_build_the_cpu_runs(monkeypatch, flags, want):
+    monkeypatch.setattr(cpu_build, "cpu_flags", flags_of(*flags))
+    monkeypatch.delenv(cpu_build.BUILD_ENV, raising=False)
+    assert cpu_build.selected_build() == want
+    assert bool(cpu_build.missing_isa()) == (want is None)
+
+
+def test_forced_build_and_its_errors(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", flags_of("avx2", "fma", "f16c"))
+    monkeypatch.setenv(cpu_build.BUILD_ENV, "avx2")
+    assert cpu_build.selected_build() == "avx2"
+    monkeypatch.setenv(cpu_build.BUILD_ENV, "avx512")
+    assert cpu_build.selected_build() is None
+    assert cpu_build.missing_isa() == ["avx512f", "avx512bw", "avx512vl", "avx512dq"]
+    cpu_build.load.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD=avx512: this CPU lacks avx512f"):
+            cpu_build.load()
+        monkeypatch.setenv(cpu_build.BUILD_ENV, "sse2")
+        with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD='sse2': expected auto, avx512 or avx2"):
+            cpu_build.load()
+        monkeypatch.setattr(cpu_build, "cpu_flags", flags_of("avx", "sse4_2"))
+        monkeypatch.setenv(cpu_build.BUILD_ENV, "auto")
+        with pytest.raises(ImportError, match=r"lacks avx2, fma, f16c \(the moetune CPU kernels need AVX-512, or AVX2"):
+            cpu_build.load()
+    finally:
+        cpu_build.load.cache_clear()
+
+
+def test_builds_are_cached_apart():
+    """Each build has its own folder (name and source hash), so switching builds never rebuilds the other."""
+    assert cpu_build.source_hash("avx512") != cpu_build.source_hash("avx2")
+    assert "-DMOETUNE_AVX2_BUILD" in cpu_build.BUILDS["avx2"][1]
+    assert not any(f.startswith("-mavx512") for f in cpu_build.BUILDS["avx2"][1])
+
+
+AVX512_OPERAND = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
+@pytest.mark.skipif(not RUNS_AVX2, reason=f"this CPU lacks {cpu_build.missing_for('avx2')}")
+def test_avx2_build_holds_no_avx512_instruction():
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(cpu_build.library("avx2"))],
+                         capture_output=True, text=True, check=True).stdout
+    bad = [line.strip() for line in out.splitlines() if AVX512_OPERAND.search(line)]
+    assert not bad, bad[:10]
+    # and the model's arithmetic is really there: 256-bit FMAs in the kernels
+    assert sum("vfmadd" in line and "%ymm" in line for line in out.splitlines()) > 100
+
+
+# ------------------------------------------------------------------ the AVX2 build against AVX-512
+
+def outputs() -> dict[str, torch.Tensor]:
+    """A fixed set of kernel calls (every weight format through the decode microkernels and the GEMM
+    path, fused MoE, norms, RoPE, attention) run on the build this process loaded, under an empty feature
+    mask (the AVX2 build reports no VNNI, BF16 or AMX, so the AVX-512 build takes the same paths), the
+    dot-product variants on their C++ models as in both builds."""
+    import kernels.cpu as cpu
+    from kernels import formats
+
+    g = torch.Generator().manual_seed(7)
+    out = {"build": torch.tensor([0 if cpu._ext.BUILD == "avx512" else 1])}
+    with cpu.feature_mask(set()):
+        _calls(cpu, formats, g, out)
+    return out
+
+
+def _calls(cpu, formats, g, out) -> None:
+
+    def weight(w, fmt):
+        if fmt == "f32":
+            return formats.DenseWeight(w)
+        if fmt == "bf16":
+            return formats.DenseWeight(w.to(torch.bfloat16))
+        if fmt == "int8":
+            return formats.quantize_int8_channel(w)
+        if fmt == "fp8":
+            return formats.quantize_fp8_block(w)
+        return formats.quantize_int4_group(w, 128, symmetric=True)
+
+    emulated = {"int8": ("avx512_vnni",), "bf16": ("avx512_bf16",), "fp8": ("avx512_bf16",)}
+    for fmt in ("f32", "bf16", "int8", "fp8", "int4"):
+        w = cpu.prepare(weight(torch.randn(300, 1000, generator=g) * 0.05, fmt))
+        for t in (1, 3, 37, 300):
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(t, 1000, generator=g).to(dt)
+                out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w)
+                if fmt in emulated and t in (3, 300):  # the dot-product variants on their models
+                    with cpu.emulate(emulated[fmt]):
+                        out[f"linear/{fmt}/{t}/{dt}/model"] = cpu.linear(x, w, knobs={
+                            "cpu_int8_isa": "vnni", "cpu_bf16_isa": "avx512bf16", "cpu_int8_gemm": "vnni",
+                            "cpu_bf16_gemm": "avx512bf16", "cpu_fp8_gemm": "avx512bf16"})
+        e, d, i = 9, 256, 96
+        w13 = cpu.prepare(weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt))
+        w2 = cpu.prepare(weight(torch.randn(e, d, i, generator=g) * 0.05, fmt))
+        for t in (1, 37):
+            ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(t)])
+            tw = torch.rand(t, 3, generator=g) + 0.1
+            out[f"moe/{fmt}/{t}"] = cpu.fused_moe(torch.randn(t, d, generator=g), w13, w2, tw, ids)
+    x, r, nw = torch.randn(5, 1000, generator=g), torch.randn(5, 1000, generator=g), torch.rand(1000, generator=g)
+    out["rms_norm"] = cpu.rms_norm(x, nw, 1e-6)
+    out["add_rms_norm"] = torch.cat(cpu.add_rms_norm(x, r, nw, 1e-6))
+    q = torch.randn(7, 4, 64, generator=g)
+    ang = torch.rand(7, 32, generator=g) * 6
+    out["rope"] = cpu.rope(q, ang.cos(), ang.sin(), True)
+    for dt in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(s, h, 64, generator=g).to(dt) for s, h in ((19, 8), (300, 2), (300, 2)))
+        out[f"extend/{dt}"] = cpu.extend_attention(q, k, v, 0.125)
+
+
+@pytest.mark.skipif(not RUNS_AVX512, reason=f"this CPU lacks {cpu_build.missing_for('avx512')}: only the AVX2 "
+                    "build runs here (the whole suite runs on it)")
+def test_avx2_build_equals_the_avx512_build_bitwise(tmp_path):
+    env = {**os.environ, cpu_build.BUILD_ENV: "avx2"}
+    subprocess.run([sys.executable, __file__, str(tmp_path / "avx2.pt")], env=env, cwd=ROOT, check=True)
+    got = torch.load(tmp_path / "avx2.pt")
+    want = outputs()
+    assert int(got.pop("build")) == 1 and int(want.pop("build")) == 0
+    assert got.keys() == want.keys()
+    differ = {k: (got[k].float() - want[k].float()).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not differ, differ
+
+
+@pytest.mark.skipif(not RUNS_AVX512, reason=f"this CPU lacks {cpu_build.missing_for('avx512')}: the suite itself "
+                    "runs on the AVX2 build here")
+def test_kernel_conformance_on_the_avx2_build():
+    env = {**os.environ, cpu_build.BUILD_ENV: "avx2"}
+    files = ["tests/test_kernels_cpu.py", "tests/test_isa.py", "tests/test_attention_cpu.py", "tests/test_amx.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], env=env,
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+if __name__ == "__main__":  # the subprocess side: this build's outputs into argv[1]
+    sys.path.insert(0, str(ROOT))
+    torch.save(outputs(), sys.argv[1])
