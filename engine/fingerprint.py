@@ -77,13 +77,15 @@ def _kernel_variants(flags: set[str]) -> dict:
     """The cpu kernels' ISA variants by the CPU's flags (no build): those that run natively, and those
     that run here only on the C++ model of their instructions (tests), e.g.
     "cpu_int8_isa=avx512,vnni;cpu_bf16_isa=avx512" and "cpu_bf16_isa=avx512bf16"."""
+    from kernels.cpu_build import selected_build
     from kernels.cpu_knobs import variants_for
 
-    v = variants_for(flags)
+    build = selected_build()
+    v = variants_for(flags, build)
     pick = lambda how: ";".join(f"{k}=" + ",".join(n for n, h in d.items() if h == how)  # noqa: E731
                                 for k, d in v.items() if how in d.values())
-    amx = all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8"))
-    return {"cpu_kernel_variants": pick("native") + (";amx" if amx else ""), "cpu_kernel_variants_model_only": pick("model")}
+    amx = build == "avx512" and all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8"))
+    return {"cpu_kernel_build": build or "none", "cpu_kernel_variants": pick("native") + (";amx" if amx else ""), "cpu_kernel_variants_model_only": pick("model")}
 
 
 def _gpus() -> dict:

@@ -167,7 +167,8 @@ LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes")
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the
-# CPU feature it needs (/proc/cpuinfo's flag name; None: any AVX-512 CPU)
+# CPU feature it needs (/proc/cpuinfo's flag name; None: any CPU the kernels run on, the "avx512" variants
+# being the base paths of either build, kernels/cpu_build.py: AVX-512, or its C++ model on AVX2)
 # (cpu_bf16_gemm's and cpu_fp8_gemm's onednn runs anywhere: oneDNN dispatches its own instructions,
 # outside the mask)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
@@ -182,11 +183,12 @@ ISA_KNOBS = tuple(ISA_VARIANTS)
 MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")
 
 
-def variants_for(flags) -> dict[str, dict[str, str]]:
-    """Per ISA knob, each variant → "native" (the CPU flags have its feature) or "model" (only the
-    C++ model of its instructions runs here: tests)."""
-    return {knob: {v: "native" if need is None or need in flags else "model" for v, need in variants.items()}
-            for knob, variants in ISA_VARIANTS.items()}
+def variants_for(flags, build: str | None = "avx512") -> dict[str, dict[str, str]]:
+    """Per ISA knob, each variant → "native" (the CPU flags have its feature, and the kernels' build runs
+    AVX-512) or "model" (only the C++ model of its instructions runs here: tests). The AVX2 build runs
+    every featured variant on its model."""
+    return {knob: {v: "native" if need is None or (need in flags and build == "avx512") else "model"
+                   for v, need in variants.items()} for knob, variants in ISA_VARIANTS.items()}
 # read by the attention kernels (the others by linear / fused MoE)
 ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))
 
