@@ -149,10 +149,8 @@ class _Spinner:
         self._thread.join()
 
 
-@lru_cache(maxsize=1)
-def load():
-    """The compiled extension module (building it first if needed); ImportError if impossible.
-    Its `BUILD` attribute names the build (avx512 or avx2)."""
+def choose_build() -> str:
+    """The build to load here; ImportError (one line) for a bad MOETUNE_CPU_BUILD or a CPU that runs none."""
     try:
         want = requested_build()
     except ValueError as e:
@@ -163,6 +161,14 @@ def load():
             raise ImportError(f"this CPU lacks {', '.join(missing_for('avx2'))} (the moetune CPU kernels need "
                               f"AVX-512, or AVX2 with FMA and F16C)")
         raise ImportError(f"{BUILD_ENV}={want}: this CPU lacks {', '.join(missing_for(want))}")
+    return build
+
+
+@lru_cache(maxsize=1)
+def load():
+    """The compiled extension module (building it first if needed); ImportError if impossible.
+    Its `BUILD` attribute names the build (avx512 or avx2)."""
+    build = choose_build()
     from torch.utils import cpp_extension
 
     name = f"moetune_cpu_{build}_{source_hash(build)}"

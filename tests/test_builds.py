@@ -53,19 +53,15 @@ def test_forced_build_and_its_errors(monkeypatch):
     monkeypatch.setenv(cpu_build.BUILD_ENV, "avx512")
     assert cpu_build.selected_build() is None
     assert cpu_build.missing_isa() == ["avx512f", "avx512bw", "avx512vl", "avx512dq"]
-    cpu_build.load.cache_clear()
-    try:
-        with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD=avx512: this CPU lacks avx512f"):
-            cpu_build.load()
-        monkeypatch.setenv(cpu_build.BUILD_ENV, "sse2")
-        with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD='sse2': expected auto, avx512 or avx2"):
-            cpu_build.load()
-        monkeypatch.setattr(cpu_build, "cpu_flags", flags_of("avx", "sse4_2"))
-        monkeypatch.setenv(cpu_build.BUILD_ENV, "auto")
-        with pytest.raises(ImportError, match=r"lacks avx2, fma, f16c \(the moetune CPU kernels need AVX-512, or AVX2"):
-            cpu_build.load()
-    finally:
-        cpu_build.load.cache_clear()
+    with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD=avx512: this CPU lacks avx512f"):
+        cpu_build.choose_build()
+    monkeypatch.setenv(cpu_build.BUILD_ENV, "sse2")
+    with pytest.raises(ImportError, match=r"MOETUNE_CPU_BUILD='sse2': expected auto, avx512 or avx2"):
+        cpu_build.choose_build()
+    monkeypatch.setattr(cpu_build, "cpu_flags", flags_of("avx", "sse4_2"))
+    monkeypatch.setenv(cpu_build.BUILD_ENV, "auto")
+    with pytest.raises(ImportError, match=r"lacks avx2, fma, f16c \(the moetune CPU kernels need AVX-512, or AVX2"):
+        cpu_build.choose_build()
 
 
 def test_builds_are_cached_apart():

@@ -9,7 +9,8 @@ and the tuner express their figures against.
   (`read_methods`) and the best of all is the limit (`read_gbps`), so that no kernel reads faster
   than the figure its "% of read bandwidth" is taken of; the median is of the best method's repeats;
 - peak arithmetic per instruction (chains of independent operations in registers, every thread):
-  FP32 FMA and int16 vpmaddwd (any AVX-512 CPU), and where the CPU has them (under the kernels'
+  FP32 FMA and int16 vpmaddwd (AVX-512, or in the kernels' AVX2 build the same chains on its model:
+  two 256-bit instructions per 512-bit one, so the AVX2 peaks), and where the CPU has them (under the kernels'
   feature mask) VNNI vpdpbusd (int8), AVX512-BF16 vdpbf16ps, AMX TDPBSSD / TDPBF16PS; None where absent;
 - the kernels' ISA variants: which run natively here and which only on their C++ models (tests).
 

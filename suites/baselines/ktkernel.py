@@ -9,7 +9,9 @@ Both sides build their weights and inputs with kt_worker.random_experts / random
 are bit-identical BF16; each quantizes to its own INT8 / INT4 layout (ours: kernels/formats.py).
 
 Format pairs (ours ↔ kt-kernel class): bf16 ↔ AMXBF16_MOE, int8 ↔ AMXInt8_MOE, int4 ↔ AMXInt4_MOE.
-The AMX-named classes fall back to AVX-512 code on CPUs without AMX.
+The AMX-named classes fall back to AVX-512 code on CPUs without AMX. On a CPU without AVX-512 kt-kernel
+loads its avx2 variant, which has other classes: bf16 ↔ AVX2BF16_MOE, and no INT8 or symmetric INT4
+group MoE (a clear error names what it has).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from suites.baselines.client import BaselineError, Worker, WorkerOwner
 KT_VERSION = "0.7.2"
 WORKER = Path(__file__).resolve().parent / "kt_worker.py"
 METHODS = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
+METHODS_AVX2 = {"bf16": "AVX2BF16_MOE"}  # kt-kernel's avx2 variant (checked on 0.7.2 on AMD Zen 3)
 SHAPES = {  # (hidden D, moe intermediate I, top-k)
     "v3": (7168, 2048, 8),  # DeepSeek-V3 / R1 routed experts
     "small": (2048, 1408, 6),  # the `small` preset
@@ -85,9 +88,13 @@ class KtKernel(WorkerOwner):
     def load(self, fmt: str, experts: int, shape: tuple[int, int, int], seed: int, max_len: int) -> dict:
         if fmt not in METHODS:
             raise BaselineError(f"kt-kernel has no counterpart for format {fmt!r} (known: {', '.join(METHODS)})")
+        methods = METHODS_AVX2 if self.setup.get("loaded") == "avx2" else METHODS
+        if fmt not in methods:
+            raise BaselineError(f"kt-kernel's {self.setup.get('loaded')} build here has no {fmt} MoE class "
+                                f"(it has {', '.join(self.setup.get('classes', []))})")
         D, I, K = shape
         max_len = -(-max(max_len, 1) // 64) * 64  # its INT8/INT4 buffers need a multiple of their M step
-        return self.worker.call("load", method=METHODS[fmt], experts=experts, topk=K, hidden=D, inter=I,
+        return self.worker.call("load", method=methods[fmt], experts=experts, topk=K, hidden=D, inter=I,
                                 seed=seed, max_len=max_len)
 
     def forward(self, tokens: int, seed: int, repeats: int, warmup: int = 1) -> dict:
