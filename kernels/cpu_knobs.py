@@ -57,6 +57,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
          low=16, high=4096, log=True, pow2=True),
+    Knob("cpu_unpack_gemm", str, "auto", "kernels/cpu",
+         "CPU GEMM path, after the weight rows are unpacked to float32 (the unpack variants of cpu_*_gemm): "
+         "torch's float32 BLAS on each cpu_gemm_block_n block (blas), or our register-tile kernel (fma: 16 "
+         "weight rows unpacked and packed into a K × 16 panel, then 6 tokens × 16 columns of float32 FMAs "
+         "per tile, 12 accumulators in AVX2 registers); auto: fma in the AVX2 build of the kernels (MKL's "
+         "sgemm ran at 38 % of the FMA peak on an AMD Zen 3 VM, docs/cpu_kernels.md), blas in the "
+         "AVX-512 build", choices=("auto", "blas", "fma")),
     Knob("cpu_fp8_method", str, "widen", "kernels/cpu",
          "CPU FP8 weights: E4M3 expanded by bit arithmetic in 32-bit lanes (vector), by a 256-entry "
          "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "

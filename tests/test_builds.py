@@ -121,12 +121,16 @@ def _calls(cpu, formats, g, out) -> None:
         for t in (1, 3, 37, 300):
             for dt in (torch.float32, torch.bfloat16):
                 x = torch.randn(t, 1000, generator=g).to(dt)
-                out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w)
+                if t == 300:  # the GEMM path: both unpack GEMMs by name (auto differs between the builds)
+                    for u in ("blas", "fma"):
+                        out[f"linear/{fmt}/{t}/{dt}/{u}"] = cpu.linear(x, w, knobs={"cpu_unpack_gemm": u})
+                else:
+                    out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w)
                 if fmt in emulated and t in (3, 300):  # the dot-product variants on their models
                     with cpu.emulate(emulated[fmt]):
                         out[f"linear/{fmt}/{t}/{dt}/model"] = cpu.linear(x, w, knobs={
                             "cpu_int8_isa": "vnni", "cpu_bf16_isa": "avx512bf16", "cpu_int8_gemm": "vnni",
-                            "cpu_bf16_gemm": "avx512bf16", "cpu_fp8_gemm": "avx512bf16"})
+                            "cpu_bf16_gemm": "avx512bf16", "cpu_fp8_gemm": "avx512bf16", "cpu_unpack_gemm": "blas"})
         e, d, i = 9, 256, 96
         w13 = cpu.prepare(weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt))
         w2 = cpu.prepare(weight(torch.randn(e, d, i, generator=g) * 0.05, fmt))

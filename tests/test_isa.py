@@ -40,6 +40,8 @@ from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, INT4_INT8, INT4_INT8_MOE, L
                               bf16_bound, check, make_weight, moe_weights, quantize_act_int8_groups, routing, tight)
 
 HAS = cpu.detected_features()
+# what the unpack GEMM path records under cpu_unpack_gemm=auto: our FMA tiles in the AVX2 build, BLAS in the AVX-512 one
+UNPACK = "fma" if cpu._ext.BUILD == "avx2" else "blas"
 MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
 ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
 
@@ -165,7 +167,7 @@ def test_the_record_is_off_outside_and_nests():
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
     # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
-    return {"avx512", "blas", "onednn"} | {v for v, f in need.items() if f in mask}
+    return {"avx512", "blas", "fma", "onednn"} | {v for v, f in need.items() if f in mask}
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -200,7 +202,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
-                assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {"blas"})
+                assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {UNPACK})
             for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16"),
                                                      (torch.float32, torch.bfloat16)):
                 with cpu.recording() as rec:  # FP8's GEMM path
@@ -209,7 +211,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 auto_bf16 = fp8_gemm == "auto" and dtype == torch.bfloat16
                 onednn = fp8_gemm == "onednn" or (auto_bf16 and "amx" in mask & HAS)
                 dot = (fp8_gemm == "avx512bf16" or auto_bf16) and "avx512_bf16" in mask & HAS
-                want = "onednn" if onednn else "avx512bf16" if dot else "blas"
+                want = "onednn" if onednn else "avx512bf16" if dot else UNPACK
                 assert rec[0]["isa"] == want, (mask, fp8_gemm, dtype, rec[0]["isa"])
     assert cpu.features() == HAS  # the mask is restored
 
@@ -525,15 +527,15 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w.w))
     check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
-    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else "blas"
+    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else UNPACK
     gemm = {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_bf16_gemm_min_tokens": 32}
     assert run_linear(x.bfloat16(), w, gemm)[1] == auto
-    assert run_linear(x, w, gemm)[1] == "blas"  # float32 activations: not rounded by auto
+    assert run_linear(x, w, gemm)[1] == UNPACK  # float32 activations: not rounded by auto
     with cpu.feature_mask(set()):
-        assert run_linear(x.bfloat16(), w, gemm)[1] == "blas"
+        assert run_linear(x.bfloat16(), w, gemm)[1] == UNPACK
         # the unpack path of BF16 starts at cpu_bf16_gemm_min_tokens, not cpu_gemm_min_tokens
         assert run_linear(x.bfloat16(), w, {**gemm, "cpu_bf16_gemm_min_tokens": t + 1})[1] == "avx512"
-        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_gemm_min_tokens": t + 1, "cpu_bf16_gemm_min_tokens": t})[1] == "blas"
+        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_gemm_min_tokens": t + 1, "cpu_bf16_gemm_min_tokens": t})[1] == UNPACK
 
 
 def test_bf16_gemm_onednn_in_fused_moe():
@@ -568,12 +570,12 @@ def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
     check(got, reference.linear(x.bfloat16(), w), BF16_LINEAR, f"fp8 onednn {shape}")
     check(forced, reference.linear(x, w), BF16_LINEAR, f"fp8 onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
-    auto = "onednn" if "amx" in HAS else "avx512bf16" if "avx512_bf16" in HAS else "blas"
+    auto = "onednn" if "amx" in HAS else "avx512bf16" if "avx512_bf16" in HAS else UNPACK
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
-    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == "blas"  # float32 activations: not rounded by auto
-    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == "blas"
+    assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == UNPACK  # float32 activations: not rounded by auto
+    assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == UNPACK
     with cpu.feature_mask(set()):
-        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == "blas"
+        assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == UNPACK
 
 
 # ------------------------------------------------------------------ prefill: the tile GEMM on dot-product instructions
@@ -723,7 +725,7 @@ def test_int4_gemm_in_fused_moe(fmt, case):
     check(model, ref, INT4_INT8_MOE, f"int4 gemm moe {fmt} {case}")
     with cpu.recording() as rec:
         unpacked = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**knobs, "cpu_int4_gemm": "unpack"})
-    assert "blas" in rec[0]["isa"].split("+")  # (the small experts' microkernels: their own variant)
+    assert UNPACK in rec[0]["isa"].split("+")  # (the small experts' microkernels: their own variant)
     check(unpacked, ref, tight(fmt, op="fused_moe"), f"int4 unpack moe {fmt} {case}")
     if "avx512_vnni" in HAS:
         with cpu.recording() as rec:
@@ -742,18 +744,18 @@ def test_int4_gemm_knob_and_feature_mask():
     ref = reference.linear(x, w)
     vnni = "avx512_vnni" in HAS
     got, used = run_linear(x, w, {**base, "cpu_int4_gemm": "auto"})
-    assert used == ("vnni" if vnni else "blas")
+    assert used == ("vnni" if vnni else UNPACK)
     unpacked, used = run_linear(x, w, {**base, "cpu_int4_gemm": "unpack"})
-    assert used == "blas"
+    assert used == UNPACK
     check(unpacked, ref, TIGHT, "int4 unpack")
     check(got, ref, INT4_INT8 if vnni else TIGHT, "int4 auto")
     with cpu.feature_mask(set()):
         assert cpu.isa_variants()["cpu_int4_gemm"]["vnni"] == "unavailable"
         for value in ("auto", "vnni", "unpack"):
             masked, used = run_linear(x, w, {**base, "cpu_int4_gemm": value})
-            assert used == "blas" and torch.equal(masked, unpacked), value
+            assert used == UNPACK and torch.equal(masked, unpacked), value
         assert run_linear(x, w, {**base, "cpu_int4_gemm": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
-    assert run_linear(x[:5], w, {**base, "cpu_int4_gemm": "vnni"})[1] != "blas"  # 5 rows: microkernels
+    assert run_linear(x[:5], w, {**base, "cpu_int4_gemm": "vnni"})[1] != UNPACK  # 5 rows: microkernels
 
 
 # ------------------------------------------------------------------ the probe's readers and peaks
@@ -825,7 +827,7 @@ def test_dot_gemm_threshold_is_its_own(t):
     VNNI) leaves the microkernels, cpu_bf16_gemm_min_tokens where BF16 on the unpack + BLAS path (float32
     activations) does, cpu_gemm_min_tokens where the other unpack + BLAS formats (FP8) do. The INT8
     microkernels run the int16 path here (cpu_int8_isa=avx512) so the recorded variant names the path:
-    avx512 (microkernel), vnni (the GEMM), blas (unpack + BLAS)."""
+    avx512 (microkernel), vnni (the GEMM), blas or fma (unpack + BLAS or our FMA tiles: UNPACK)."""
     emulate = [] if "avx512_vnni" in HAS else ["avx512_vnni"]
     vnni = "vnni" if not emulate else "vnni-model"
     g = torch.Generator().manual_seed(t)
@@ -839,10 +841,36 @@ def test_dot_gemm_threshold_is_its_own(t):
         y8, used8 = run_linear(x, w8, knobs, emulate)
         assert used8 == (vnni if t >= dot else "avx512"), (dot, gemm, used8)
         yb, usedb = run_linear(x, wb, knobs)
-        assert usedb == ("blas" if t >= bf16 else "avx512"), (bf16, usedb)
+        assert usedb == (UNPACK if t >= bf16 else "avx512"), (bf16, usedb)
         yf, usedf = run_linear(x, wf, knobs)
-        assert usedf == ("blas" if t >= gemm else "avx512"), (gemm, usedf)
+        assert usedf == (UNPACK if t >= gemm else "avx512"), (gemm, usedf)
         check(y8, reference.linear(x, w8), tight("int8"), f"int8 T={t} dot={dot}")
         check(yb, reference.linear(x, wb), tight("bf16"), f"bf16 T={t} bf16={bf16}")
     assert cpu.KNOB_DEFAULTS["cpu_dot_gemm_min_tokens"] < cpu.KNOB_DEFAULTS["cpu_gemm_min_tokens"] < \
         cpu.KNOB_DEFAULTS["cpu_bf16_gemm_min_tokens"]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128"])
+def test_unpack_gemm_fma_tiles_match_the_reference(fmt):
+    """cpu_unpack_gemm=fma (our 6 × 16 FMA register tiles on K-major panels, matmul.cpp gemm_fma) against the
+    reference and against BLAS on the same unpacked weights, on regular, odd and corner shapes: rows of x
+    around the 6-row tile (1, 5, 6, 7, 37), weight rows around the 16-row panel (1, 15, 16, 17, 70), K odd
+    and tiny. Bound: 2e-5 with float32 activations (float32 sums, only the order differs); INT4's int8
+    method does not apply (the GEMM path multiplies float activations), so INT4 is within 2e-5 too."""
+    g = torch.Generator().manual_seed(11)
+    gemm = {"cpu_gemm_min_tokens": 1, "cpu_bf16_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 4096,
+            "cpu_amx_min_tokens": 4096, "cpu_int4_gemm": "unpack", "cpu_int8_gemm": "unpack", "cpu_fp8_gemm": "unpack",
+            "cpu_bf16_gemm": "unpack"}
+    for m, n, k in itertools.product((1, 5, 6, 7, 37), (1, 15, 16, 17, 70), (128, 1000)):
+        if fmt.startswith("int4") and k % 128:
+            continue
+        w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+        x = torch.randn(m, k, generator=g)
+        with cpu.recording() as rec:
+            y = cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "fma"})
+        assert rec[-1]["isa"] == "fma", rec[-1]
+        check(y, reference.linear(x, w), TIGHT, f"fma {fmt} {m}x{n}x{k}")
+        check(y, cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "blas"}), TIGHT, f"fma vs blas {fmt} {m}x{n}x{k}")
+    x = torch.randn(3, 40, generator=g)  # K smaller than a cache line of the panel strips
+    w = make_weight(torch.randn(17, 40, generator=g) * 0.05, "f32")
+    check(cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "fma"}), reference.linear(x, w), TIGHT, "fma K=40")

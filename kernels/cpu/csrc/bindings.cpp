@@ -55,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Bf16Gemm>(m, "Bf16Gemm")
       .value("auto", moetune::kBf16GemmAuto).value("unpack", moetune::kBf16GemmUnpack)
       .value("onednn", moetune::kBf16GemmOnednn).value("avx512bf16", moetune::kBf16GemmDot);
+  py::enum_<moetune::UnpackGemm>(m, "UnpackGemm")
+      .value("auto", moetune::kUnpackGemmAuto).value("blas", moetune::kUnpackGemmBlas).value("fma", moetune::kUnpackGemmFma);
   py::enum_<moetune::Fp8Gemm>(m, "Fp8Gemm")
       .value("auto", moetune::kFp8GemmAuto).value("unpack", moetune::kFp8GemmUnpack)
       .value("onednn", moetune::kFp8GemmOnednn).value("avx512bf16", moetune::kFp8GemmDot);
@@ -87,6 +89,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("fp8_gemm", &Knobs::fp8_gemm)
       .def_readwrite("int8_gemm", &Knobs::int8_gemm)
       .def_readwrite("int4_gemm", &Knobs::int4_gemm)
+      .def_readwrite("unpack_gemm", &Knobs::unpack_gemm)
       .def_readwrite("attn_head_fold", &Knobs::attn_head_fold)
       .def_readwrite("attn_kv_splits", &Knobs::attn_kv_splits)
       .def_readwrite("attn_decode_kv_block", &Knobs::attn_decode_kv_block)

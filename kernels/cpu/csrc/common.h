@@ -47,6 +47,9 @@ enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, k
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2 };
 // cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd
 // (activations quantized to int8 per (token, group); amx.cpp gemm_int4).
+// cpu_unpack_gemm: the GEMM after unpacking to float32: torch's BLAS, or our FMA register tiles (gemm_fma);
+// auto: fma in the AVX2 build, blas in the AVX-512 one.
+enum UnpackGemm : int { kUnpackGemmAuto = 0, kUnpackGemmBlas = 1, kUnpackGemmFma = 2 };
 enum Int4Gemm : int { kInt4GemmAuto = 0, kInt4GemmUnpack = 1, kInt4GemmVnni = 2 };
 
 // The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
@@ -105,6 +108,7 @@ struct Knobs {
   Fp8Gemm fp8_gemm = (Fp8Gemm)-1;
   Int8Gemm int8_gemm = (Int8Gemm)-1;
   Int4Gemm int4_gemm = (Int4Gemm)-1;
+  UnpackGemm unpack_gemm = (UnpackGemm)-1;
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   AttnIsa attn_isa = (AttnIsa)-1;

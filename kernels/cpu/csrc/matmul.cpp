@@ -1,6 +1,7 @@
 // Linear layers: activation preparation, the direct (microkernel) path and the unpack + BLAS path.
 #include <omp.h>
 #include <cmath>
+#include <vector>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include "ops.h"
@@ -111,6 +112,7 @@ void Knobs::check() const {
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
   TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaDot, "attn_isa must be set");
+  TORCH_CHECK(unpack_gemm >= kUnpackGemmAuto && unpack_gemm <= kUnpackGemmFma, "unpack_gemm must be set");
 }
 
 // ------------------------------------------------------------------ activations
@@ -456,6 +458,82 @@ at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs
   return out;
 }
 
+// ------------------------------------------------------------------ FMA register tiles (cpu_unpack_gemm=fma)
+//
+// C[6, 16] = A[6, K] · P[K, 16] for one panel P of 16 weight rows unpacked to float32 and laid out
+// K-major (P[k][j] = row j's element k: two 256-bit vectors per k), against one tile of 6 rows of x
+// packed K-major as well (A[k][i]: 6 consecutive floats per k; rows past M are zero). The 6 × 2
+// accumulators stay in registers over the whole K (12 + the panel's two vectors + one broadcast = 15
+// of AVX2's 16 ymm registers: the classic 6 × 16 AVX2 FMA tile), so each k costs 6 broadcasts and two
+// panel loads, all sequential, for 12 FMAs. Written on 256-bit intrinsics in both builds (native there:
+// the AVX-512 model is not involved); float32 FMAs in K order, so the result differs from BLAS's by
+// summation order only.
+__attribute__((target("avx2,fma"))) void fma_tile(const float* a, const float* p, int64_t K, float* c, int64_t ldc,
+                                                  int64_t rows, int64_t ncols) {
+  __m256 acc[6][2];
+  for (int i = 0; i < 6; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_load_ps(p + 16 * k), b1 = _mm256_load_ps(p + 16 * k + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + 6 * k + i);
+      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    }
+  }
+  // all 6 rows through a buffer at constant indices (a run-time row index made GCC keep the accumulators
+  // in memory, stored on every k), then the rows and columns that exist
+  alignas(32) float t[6][16];
+#pragma GCC unroll 6
+  for (int i = 0; i < 6; ++i) {
+    _mm256_store_ps(t[i], acc[i][0]);
+    _mm256_store_ps(t[i] + 8, acc[i][1]);
+  }
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(c + i * ldc, t[i], ncols * sizeof(float));
+}
+
+// out [M, N] = x [M, K] · Wᵀ: x packed once into K-major tiles of 6 rows; per parallel task one panel
+// of 16 weight rows, unpacked (unpack_rows_f32) and transposed into the K-major panel once, then
+// every tile of x.
+at::Tensor gemm_fma(const at::Tensor& x_act, const WeightView& W) {
+  const at::Tensor x = x_act.contiguous();
+  const int64_t M = x.size(0), K = W.K, N = W.N, panels = (N + 15) / 16, tiles = (M + 5) / 6;
+  at::Tensor out = at::empty({M, N}, at::kFloat);
+  at::Tensor apack = at::zeros({tiles * 6 * K}, at::kFloat);
+  const float* xa = x.data_ptr<float>();
+  float* ap = apack.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t s, int64_t e) {
+    for (int64_t t = s; t < e; ++t)
+      for (int64_t i = 0; i < 6 && 6 * t + i < M; ++i)
+        for (int64_t k = 0; k < K; ++k) ap[t * 6 * K + 6 * k + i] = xa[(6 * t + i) * K + k];
+  });
+  at::parallel_for(0, panels, 1, [&](int64_t s, int64_t e) {
+    std::vector<float> rows(16 * K), pbuf(16 * K + 8);
+    float* panel = pbuf.data() + ((32 - reinterpret_cast<uintptr_t>(pbuf.data()) % 32) % 32) / sizeof(float);
+    for (int64_t pn = s; pn < e; ++pn) {
+      const int64_t n0 = pn * 16, nc = std::min<int64_t>(16, N - n0);
+      unpack_rows_f32(W, n0, n0 + nc, rows.data());
+      if (nc < 16) std::fill(rows.begin() + nc * K, rows.end(), 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += 64)  // transposed in 64-column strips (each row's strip one line run)
+        for (int j = 0; j < 16; ++j)
+          for (int64_t k = k0; k < std::min(K, k0 + 64); ++k) panel[16 * k + j] = rows[j * K + k];
+      for (int64_t t = 0; t < tiles; ++t)
+        fma_tile(ap + t * 6 * K, panel, K, o + 6 * t * N + n0, N, std::min<int64_t>(6, M - 6 * t), nc);
+    }
+  });
+  return out;
+}
+
+bool unpack_gemm_fma(const Knobs& kn) {
+  if (kn.unpack_gemm != kUnpackGemmAuto) return kn.unpack_gemm == kUnpackGemmFma;
+#ifdef MOETUNE_AVX2_BUILD
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
     note_used(kUsedOnednn);
@@ -478,6 +556,10 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     const bool bf16_dot = W.fmt == kBF16 || W.fmt == kFp8;
     note_used(!bf16_dot ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
     return W.fmt == kInt4 ? gemm_int4(x_act, W, model) : gemm_tiles_run(x_act, W, engine);
+  }
+  if (unpack_gemm_fma(kn)) {
+    note_used(kUsedFma);
+    return gemm_fma(x_act.to(at::kFloat), W);
   }
   note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;

@@ -49,7 +49,7 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
 bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
-                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128 };
+                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256 };
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
