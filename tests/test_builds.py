@@ -93,30 +93,19 @@ def outputs() -> dict[str, torch.Tensor]:
     mask (the AVX2 build reports no VNNI, BF16 or AMX, so the AVX-512 build takes the same paths), the
     dot-product variants on their C++ models as in both builds."""
     import kernels.cpu as cpu
-    from kernels import formats
+    from test_kernels_cpu import make_weight
 
     g = torch.Generator().manual_seed(7)
     out = {"build": torch.tensor([0 if cpu._ext.BUILD == "avx512" else 1])}
     with cpu.feature_mask(set()):
-        _calls(cpu, formats, g, out)
+        _calls(cpu, make_weight, g, out)
     return out
 
 
-def _calls(cpu, formats, g, out) -> None:
-
-    def weight(w, fmt):
-        if fmt == "f32":
-            return formats.DenseWeight(w)
-        if fmt == "bf16":
-            return formats.DenseWeight(w.to(torch.bfloat16))
-        if fmt == "int8":
-            return formats.quantize_int8_channel(w)
-        if fmt == "fp8":
-            return formats.quantize_fp8_block(w)
-        return formats.quantize_int4_group(w, 128, symmetric=True)
+def _calls(cpu, make_weight, g, out) -> None:
 
     emulated = {"int8": ("avx512_vnni",), "bf16": ("avx512_bf16",), "fp8": ("avx512_bf16",)}
-    for fmt in ("f32", "bf16", "int8", "fp8", "int4"):
+    for fmt in ("f32", "bf16", "int8", "fp8", "int4_g128"):
         w = cpu.prepare(weight(torch.randn(300, 1000, generator=g) * 0.05, fmt))
         for t in (1, 3, 37, 300):
             for dt in (torch.float32, torch.bfloat16):
@@ -173,5 +162,5 @@ def test_kernel_conformance_on_the_avx2_build():
 
 
 if __name__ == "__main__":  # the subprocess side: this build's outputs into argv[1]
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     torch.save(outputs(), sys.argv[1])
