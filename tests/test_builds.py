@@ -102,7 +102,7 @@ def outputs() -> dict[str, torch.Tensor]:
     return out
 
 
-def _calls(cpu, make_weight, g, out) -> None:
+def _calls(cpu, weight, g, out) -> None:
 
     emulated = {"int8": ("avx512_vnni",), "bf16": ("avx512_bf16",), "fp8": ("avx512_bf16",)}
     for fmt in ("f32", "bf16", "int8", "fp8", "int4_g128"):
