@@ -30,7 +30,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "cpu_amx_min_tokens) instead of the register microkernel", low=1, high=4096, log=True),
     Knob("cpu_dot_gemm_min_tokens", int, 8, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert): from this many, a weight whose GEMM path runs a "
-         "dot-product GEMM here (INT8 / INT4 on VNNI, BF16 on AVX512-BF16 when cpu_bf16_gemm names it; not FP8, "
+         "dot-product GEMM here (INT8 / INT4 on VNNI, INT8 on vpmaddubsw, BF16 on AVX512-BF16 when cpu_bf16_gemm "
+         "names it; not FP8, "
          "whose blocks are expanded as they are packed: it starts at cpu_gemm_min_tokens) "
          "takes it instead of the register microkernel; it packs its own weight blocks, with no float32 "
          "unpack, so it wins from fewer rows than cpu_gemm_min_tokens' unpack + BLAS (measured: INT8 / INT4 "
@@ -118,15 +119,19 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS, or AMX tiles where present (unpack), "
-         "or our tile GEMM on vpdpbusd (vnni; exact integer sums; needs AVX512-VNNI, else unpack). auto: "
+         "or our tile GEMM on vpdpbusd (vnni; exact integer sums; needs AVX512-VNNI, else unpack), or on "
+         "AVX2's vpmaddubsw with the sign trick (maddubs; exact; runs on every CPU the kernels run on). auto: "
          "vnni where the CPU has AVX512-VNNI and no AMX (1.9-3.0x unpack at 512 tokens where measured), "
-         "else unpack", choices=("auto", "unpack", "vnni")),
+         "maddubs in the AVX2 build of the kernels, else unpack", choices=("auto", "unpack", "vnni", "maddubs")),
     Knob("cpu_int4_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT4 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack to float32 + BLAS on float activations (unpack), or our "
          "GEMM on vpdpbusd, nibbles × activations quantized to int8 per (token, scale group) as the int8 "
-         "INT4 method (vnni; ~0.6 % activation error on random rows; needs AVX512-VNNI, else unpack). "
-         "auto: vnni where the CPU has AVX512-VNNI, else unpack", choices=("auto", "unpack", "vnni")),
+         "INT4 method (vnni; ~0.6 % activation error on random rows; needs AVX512-VNNI, else unpack), or "
+         "the same GEMM on AVX2's vpmaddubsw, eight units summed in int16 between widenings (maddubs; runs on "
+         "every CPU the kernels run on; the same sums, bitwise equal to vnni). auto: vnni where the CPU has "
+         "AVX512-VNNI, maddubs in the AVX2 build of the kernels, else unpack",
+         choices=("auto", "unpack", "vnni", "maddubs")),
     Knob("cpu_huge_pages", bool, True, "kernels/cpu",
          "CPU kernels: each weight of ≥ 2 MiB in 2 MiB-aligned memory advised for transparent huge pages "
          "(the loader places it there; a weight prepared from elsewhere is copied once): fewer TLB misses "
@@ -182,8 +187,8 @@ ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
                 "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
-                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni"},
-                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni"},
+                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
+                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
 # the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)

@@ -105,6 +105,10 @@ def outputs() -> dict[str, torch.Tensor]:
 def _calls(cpu, weight, g, out) -> None:
 
     emulated = {"int8": ("avx512_vnni",), "bf16": ("avx512_bf16",), "fp8": ("avx512_bf16",)}
+    # auto differs between the builds for the integer GEMMs (maddubs in the AVX2 build): named here, and
+    # the vpmaddubsw engine (AVX2 instructions in both builds) on its own
+    unpack = {"cpu_int8_gemm": "unpack", "cpu_int4_gemm": "unpack"}
+    maddubs = {"cpu_int8_gemm": "maddubs", "cpu_int4_gemm": "maddubs"}
     for fmt in ("f32", "bf16", "int8", "fp8", "int4_g128"):
         w = cpu.prepare(weight(torch.randn(300, 1000, generator=g) * 0.05, fmt))
         for t in (1, 3, 37, 300):
@@ -112,9 +116,11 @@ def _calls(cpu, weight, g, out) -> None:
                 x = torch.randn(t, 1000, generator=g).to(dt)
                 if t == 300:  # the GEMM path: both unpack GEMMs by name (auto differs between the builds)
                     for u in ("blas", "fma"):
-                        out[f"linear/{fmt}/{t}/{dt}/{u}"] = cpu.linear(x, w, knobs={"cpu_unpack_gemm": u})
+                        out[f"linear/{fmt}/{t}/{dt}/{u}"] = cpu.linear(x, w, knobs={**unpack, "cpu_unpack_gemm": u})
                 else:
-                    out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w)
+                    out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w, knobs=unpack)
+                if fmt in ("int8", "int4_g128") and t in (37, 300):
+                    out[f"linear/{fmt}/{t}/{dt}/maddubs"] = cpu.linear(x, w, knobs=maddubs)
                 if fmt in emulated and t in (3, 300):  # the dot-product variants on their models
                     with cpu.emulate(emulated[fmt]):
                         out[f"linear/{fmt}/{t}/{dt}/model"] = cpu.linear(x, w, knobs={
@@ -126,7 +132,10 @@ def _calls(cpu, weight, g, out) -> None:
         for t in (1, 37):
             ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(t)])
             tw = torch.rand(t, 3, generator=g) + 0.1
-            out[f"moe/{fmt}/{t}"] = cpu.fused_moe(torch.randn(t, d, generator=g), w13, w2, tw, ids)
+            xm = torch.randn(t, d, generator=g)
+            out[f"moe/{fmt}/{t}"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=unpack)
+            if fmt in ("int8", "int4_g128"):
+                out[f"moe/{fmt}/{t}/maddubs"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=maddubs)
     x, r, nw = torch.randn(5, 1000, generator=g), torch.randn(5, 1000, generator=g), torch.rand(1000, generator=g)
     out["rms_norm"] = cpu.rms_norm(x, nw, 1e-6)
     out["add_rms_norm"] = torch.cat(cpu.add_rms_norm(x, r, nw, 1e-6))

@@ -42,6 +42,9 @@ from test_kernels_cpu import (BF16_LINEAR, BF16_MOE, INT4_INT8, INT4_INT8_MOE, L
 HAS = cpu.detected_features()
 # what the unpack GEMM path records under cpu_unpack_gemm=auto: our FMA tiles in the AVX2 build, BLAS in the AVX-512 one
 UNPACK = "fma" if cpu._ext.BUILD == "avx2" else "blas"
+# what the INT8 / INT4 GEMM path records under cpu_int8_gemm / cpu_int4_gemm=auto where no VNNI runs:
+# the vpmaddubsw engine in the AVX2 build, the unpack path in the AVX-512 one
+AUTO_INT_GEMM = "maddubs" if cpu._ext.BUILD == "avx2" else UNPACK
 MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
 ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
 
@@ -167,7 +170,7 @@ def test_the_record_is_off_outside_and_nests():
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
     # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
-    return {"avx512", "blas", "fma", "onednn"} | {v for v, f in need.items() if f in mask}
+    return {"avx512", "blas", "fma", "onednn", "maddubs"} | {v for v, f in need.items() if f in mask}
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -189,20 +192,27 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
             for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
                 x = torch.randn(40, 256, generator=g).to(dtype)
-                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni"),
+                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs"),
                                                               ("auto", "unpack", "onednn", "avx512bf16")):
                     with cpu.recording() as rec:
                         cpu.linear(x, weights[fmt], knobs={"cpu_int8_gemm": int8_gemm, "cpu_bf16_gemm": bf16_gemm,
                                                            "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
-            for int4_gemm in ("auto", "unpack", "vnni"):  # INT4's GEMM path
+                    if fmt == "int8" and int8_gemm == "maddubs":  # named: runs on any CPU, even beside AMX
+                        assert used == {"maddubs"}, (mask, used)
+                    if fmt == "int8" and int8_gemm == "auto" and not mask & HAS & {"avx512_vnni", "amx"}:
+                        assert used == {AUTO_INT_GEMM}, (mask, used)
+            for int4_gemm in ("auto", "unpack", "vnni", "maddubs"):  # INT4's GEMM path
                 with cpu.recording() as rec:
                     cpu.linear(torch.randn(40, 256, generator=g), weights["int4_g128"],
                                knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
-                assert used == ({"vnni"} if int4_gemm != "unpack" and "avx512_vnni" in mask & HAS else {UNPACK})
+                vnni = int4_gemm in ("auto", "vnni") and "avx512_vnni" in mask & HAS
+                want = ("vnni" if vnni else "maddubs" if int4_gemm == "maddubs"
+                        else AUTO_INT_GEMM if int4_gemm == "auto" else UNPACK)
+                assert used == {want}, (mask, int4_gemm, used)
             for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16"),
                                                      (torch.float32, torch.bfloat16)):
                 with cpu.recording() as rec:  # FP8's GEMM path
@@ -249,7 +259,8 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
         assert runnable_catalogue(cpu)["cpu_fp8_gemm"].choices == ("auto", "unpack", "onednn")
-        assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack")
+        assert runnable_catalogue(cpu)["cpu_int4_gemm"].choices == ("auto", "unpack", "maddubs")  # AVX2: any CPU
+        assert runnable_catalogue(cpu)["cpu_int8_gemm"].choices == ("auto", "unpack", "maddubs")
 
 
 @functools.lru_cache(maxsize=1)
@@ -614,6 +625,58 @@ def test_dot_tiles_match_exact_math(shape):
     with cpu.feature_mask(set()):
         with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
             tiles(xi, wi, 2)
+    # engine 4: INT8 on vpmaddubsw with the sign trick (every CPU), exact; it takes no BF16
+    assert torch.equal(tiles(xi, wi, 4).double(), exact)
+    with pytest.raises(RuntimeError, match="INT8 weights only"):
+        tiles(xb, wb, 4)
+
+
+def test_maddubs_tiles_take_the_whole_int8_range_but_refuse_minus_128_activations():
+    """The sign trick: |w| is vpmaddubsw's unsigned side, so w = −128 (|w| = 128 unsigned) is exact, and
+    a pair of products at the extremes (2·128·127) does not saturate int16; an activation of −128
+    cannot be negated by vpsignb, so a row holding one is refused with one error (the engine's
+    quantizers never produce it: symmetric, ±127)."""
+    k = 70
+    wi = torch.full((3, k), -128, dtype=torch.int8)
+    wi[1] = 127
+    wi[2, ::2] = 0
+    xi = torch.full((2, k), 127.0)
+    xi[1] = -127.0
+    exact = xi.double() @ wi.double().T
+    assert torch.equal(tiles(xi, wi, 4).double(), exact)
+    xi[1, 5] = -128.0
+    with pytest.raises(RuntimeError, match=r"activations in \[-127, 127\]"):
+        tiles(xi, wi, 4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_g128"])
+def test_maddubs_gemm_through_linear_and_fused_moe(fmt):
+    """cpu_int8_gemm / cpu_int4_gemm=maddubs through linear and fused MoE (every expert on the GEMM path):
+    INT8 equal to the unpack path (both exact integer sums, the same scaling), INT4 equal to the VNNI
+    INT4 GEMM on its model (the same int32 group sums and the same float32 steps), and within the
+    stated bounds of the reference."""
+    g = torch.Generator().manual_seed(13)
+    w = make_weight(torch.randn(130, 1024, generator=g) * 0.05, fmt)
+    x = torch.randn(37, 1024, generator=g)
+    on = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 4096}
+    knob = "cpu_int8_gemm" if fmt == "int8" else "cpu_int4_gemm"
+    other, other_isa, emulate = (("unpack", UNPACK, []) if fmt == "int8" else ("vnni", "vnni-model", ["avx512_vnni"]))
+    got, used = run_linear(x, w, {**on, knob: "maddubs"})
+    assert used == "maddubs"
+    want, used = run_linear(x, w, {**on, knob: other}, emulate=emulate)
+    assert used == other_isa and torch.equal(got, want)
+    check(got, reference.linear(x, w), TIGHT if fmt == "int8" else INT4_INT8, f"{fmt} maddubs linear")
+    t, e, d, i, k, pool = MOE_CASES["all_on_one"]
+    w13, w2 = moe_weights(e, d, i, fmt)
+    for t in (t, 40):
+        tw, ids = routing(t, e, k, seed=t, experts=pool)
+        xm = torch.randn(t, d, generator=g)
+        got, used = run_moe(xm, w13, w2, tw, ids, {**on, knob: "maddubs"})
+        assert used == "maddubs"
+        want, _ = run_moe(xm, w13, w2, tw, ids, {**on, knob: other}, emulate=emulate)
+        assert torch.equal(got, want), (fmt, t)
+        check(got, reference.fused_moe(xm, w13, w2, tw, ids), TIGHT if fmt == "int8" else INT4_INT8_MOE,
+              f"{fmt} maddubs moe")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16", "fp8"])
@@ -684,6 +747,8 @@ def test_int4_gemm_matches_the_reference_on_its_quantized_activations(shape, sym
     if "avx512_vnni" in HAS:
         native, used = run_linear(x, w, INT4_GEMM)
         assert used == "vnni" and torch.equal(native, model), shape
+    maddubs, used = run_linear(x, w, {**INT4_GEMM, "cpu_int4_gemm": "maddubs"})  # the same sums on vpmaddubsw
+    assert used == "maddubs" and torch.equal(maddubs, model), shape
     xb = x.bfloat16()  # bf16 activations: the same GEMM on their float32 values
     got, _ = run_linear(xb, w, INT4_GEMM, emulate=["avx512_vnni"])
     check(got, reference.linear(xb, w), max(BF16_LINEAR, INT4_INT8), f"int4 gemm {shape} bf16 activations")
@@ -734,9 +799,10 @@ def test_int4_gemm_in_fused_moe(fmt, case):
 
 
 def test_int4_gemm_knob_and_feature_mask():
-    """auto takes the INT4 GEMM where the CPU has VNNI; unpack forces unpack + BLAS (float activations:
-    the tight bound); a feature mask without VNNI never runs it (auto and vnni fall back to unpack);
-    below cpu_gemm_min_tokens the knob is inert (the microkernels)."""
+    """auto takes the INT4 GEMM where the CPU has VNNI (elsewhere: its vpmaddubsw form in the AVX2 build,
+    unpack in the AVX-512 one); unpack forces unpack + BLAS (float activations: the tight bound); a feature
+    mask without VNNI never runs vnni (vnni falls back to unpack, auto as without VNNI); below
+    cpu_gemm_min_tokens the knob is inert (the microkernels)."""
     g = torch.Generator().manual_seed(11)
     w = make_weight(torch.randn(70, 256, generator=g) * 0.05, "int4_g64_asym")
     x = torch.randn(40, 256, generator=g)
@@ -744,16 +810,17 @@ def test_int4_gemm_knob_and_feature_mask():
     ref = reference.linear(x, w)
     vnni = "avx512_vnni" in HAS
     got, used = run_linear(x, w, {**base, "cpu_int4_gemm": "auto"})
-    assert used == ("vnni" if vnni else UNPACK)
+    assert used == ("vnni" if vnni else AUTO_INT_GEMM)
     unpacked, used = run_linear(x, w, {**base, "cpu_int4_gemm": "unpack"})
     assert used == UNPACK
     check(unpacked, ref, TIGHT, "int4 unpack")
-    check(got, ref, INT4_INT8 if vnni else TIGHT, "int4 auto")
+    check(got, ref, INT4_INT8 if vnni or AUTO_INT_GEMM == "maddubs" else TIGHT, "int4 auto")
     with cpu.feature_mask(set()):
         assert cpu.isa_variants()["cpu_int4_gemm"]["vnni"] == "unavailable"
         for value in ("auto", "vnni", "unpack"):
             masked, used = run_linear(x, w, {**base, "cpu_int4_gemm": value})
-            assert used == UNPACK and torch.equal(masked, unpacked), value
+            want = AUTO_INT_GEMM if value == "auto" else UNPACK
+            assert used == want and (want != UNPACK or torch.equal(masked, unpacked)), value
         assert run_linear(x, w, {**base, "cpu_int4_gemm": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
     assert run_linear(x[:5], w, {**base, "cpu_int4_gemm": "vnni"})[1] != UNPACK  # 5 rows: microkernels
 

@@ -14,8 +14,9 @@ Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
   6.8e-3; fused MoE 3e-2, its down projection's input being quantized too, and SiLU·up's
   outliers widening the groups' steps: measured up to 1.7e-2); and that method equals the
   reference fed its quantized activations within 2e-5; the same 1.5e-2 / 3e-2 for every INT4 group
-  size on the GEMM path (from cpu_dot_gemm_min_tokens rows) where cpu_int4_gemm takes the VNNI INT4 GEMM
-  (auto where the CPU has AVX512-VNNI; tests/test_isa.py), which quantizes the activations the same way;
+  size on the GEMM path (from cpu_dot_gemm_min_tokens rows) where cpu_int4_gemm takes the INT4 GEMM on
+  VNNI or vpmaddubsw (auto where the CPU has AVX512-VNNI, and in the AVX2 build; tests/test_isa.py), which
+  quantizes the activations the same way;
 - bfloat16 activations: 1e-2 for linear (both round the output to bf16), 2e-2 for fused MoE (the
   reference also rounds the gate/up output to bf16 before SiLU, the kernel keeps float32); the
   INT4 int8 method's 1.5e-2 where larger;
@@ -43,11 +44,13 @@ TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2,
 
 
 def int4_gemm_vnni(fmt: str, knobs: dict | None, tokens: int | None) -> bool:
-    """Whether an INT4 call with `tokens` rows (an upper bound on any expert's) may take the VNNI INT4
-    GEMM here (cpu_int4_gemm auto / vnni, from cpu_dot_gemm_min_tokens rows): int8 activations per group."""
+    """Whether an INT4 call with `tokens` rows (an upper bound on any expert's) may take the INT4 GEMM
+    on int8 activations per group here (from cpu_dot_gemm_min_tokens rows): cpu_int4_gemm maddubs, vnni
+    where VNNI runs, auto where VNNI runs or in the AVX2 build (its vpmaddubsw form)."""
     k = {**cpu.KNOB_DEFAULTS, **(knobs or {})}
-    return (fmt.startswith("int4") and tokens is not None and tokens >= k["cpu_dot_gemm_min_tokens"]
-            and k["cpu_int4_gemm"] != "unpack" and cpu.isa_variants()["cpu_int4_gemm"]["vnni"] != "unavailable")
+    vnni = cpu.isa_variants()["cpu_int4_gemm"]["vnni"] != "unavailable"
+    takes = {"maddubs": True, "vnni": vnni, "auto": vnni or cpu._ext.BUILD == "avx2"}.get(k["cpu_int4_gemm"], False)
+    return fmt.startswith("int4") and tokens is not None and tokens >= k["cpu_dot_gemm_min_tokens"] and takes
 
 
 def tight(fmt: str, knobs: dict | None = None, op: str = "linear", tokens: int | None = None) -> float:

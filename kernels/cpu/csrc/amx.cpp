@@ -22,6 +22,7 @@
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -171,6 +172,42 @@ MOETUNE_DOT_BLOCK(dot_block_bf16_model, , __m512, _mm512_setzero_ps(), Bf16Model
 #undef MOETUNE_STORE_I
 #undef MOETUNE_STORE_F
 
+// The INT8 GEMM of CPUs without VNNI (cpu_int8_gemm=maddubs), on AVX2 instructions that every CPU the
+// kernels run on has, over the same packed B block. Signed × signed through vpmaddubsw (unsigned ×
+// signed bytes, pairs summed to int16) with llama.cpp's sign trick: the unsigned side is |w| (vpabsb,
+// once per unit for all rows) and the signed side x with w's sign (vpsignb: −x where w < 0, 0 where
+// w = 0), so each byte product is x·w exactly; with x ∈ [−127, 127] a pair is at most 2·128·127 = 32512
+// and never saturates. vpmaddwd against ones then sums the pairs to int32: 32 products in four
+// instructions, against 8 per float32 FMA. Register block: 2 rows × the 32 columns (8 accumulators,
+// the 4 |w| vectors, w read again by vpsignb as a memory operand), over a K range, the int32 sums
+// loaded from and stored to c (blocks of kMaddubsMBlock rows). A row holding −128 would be wrong
+// (vpsignb cannot negate it): gemm_tiles_run refuses it.
+constexpr int kMaddubsRows = 2, kMaddubsMBlock = 8;
+
+void maddubs_block(const uint8_t* a, int64_t kbytes, int64_t u0, int64_t u1, const uint8_t* b, int32_t* c) {
+  constexpr int R = kMaddubsRows;
+  __m256i acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_load_si256((const __m256i*)(c + i * 32 + 8 * j));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t u = u0; u < u1; ++u) {
+    const uint8_t* bu = b + (u / 16) * 2048 + (u % 16) * 64;
+    const __m256i* bv[4] = {(const __m256i*)bu, (const __m256i*)(bu + 32), (const __m256i*)(bu + 1024),
+                            (const __m256i*)(bu + 1056)};
+    __m256i absb[4];
+    for (int j = 0; j < 4; ++j) absb[j] = _mm256_abs_epi8(_mm256_load_si256(bv[j]));
+    for (int i = 0; i < R; ++i) {
+      const __m256i av = _mm256_set1_epi32(load_u32(a + i * kbytes + 4 * u));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i sx = _mm256_sign_epi8(av, _mm256_load_si256(bv[j]));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(absb[j], sx), ones));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) _mm256_store_si256((__m256i*)(c + i * 32 + 8 * j), acc[i][j]);
+}
+
 // Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
 // B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
 // at byte offset 64·kt + 4·kk of that row (zeros past N or past the row's data).
@@ -207,10 +244,20 @@ void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes,
   // whole blocks: 16 × 16 transposes in registers for every K tile inside the rows' data; the
   // zero-padded tail tile (and blocks past N) take the byte loop below
   const int64_t full_kt = n0 + 32 <= W.N ? data_bytes / 64 : 0;
+  // The 16 rows are 16 short streams (a row is a few KiB), too short for the hardware prefetchers to
+  // ramp up: each row is prefetched kPackAhead bytes ahead of its transposes, and the second half's
+  // rows from the first half's last tiles.
+  constexpr int64_t kPackAhead = 512;
   for (int64_t h = 0; h < 2 && full_kt > 0; ++h) {
     const uint8_t* rows[16];
     for (int64_t n = 0; n < 16; ++n) rows[n] = W.w + (n0 + 16 * h + n) * W.row_bytes;
-    for (int64_t kt = 0; kt < full_kt; ++kt) transpose16_u32(rows, 64 * kt, dst + (kt * 2 + h) * 1024);
+    for (int64_t kt = 0; kt < full_kt; ++kt) {
+      const int64_t ahead = 64 * kt + kPackAhead;
+      for (int64_t n = 0; n < 16; ++n)
+        _mm_prefetch((const char*)(ahead < data_bytes ? rows[n] + ahead : rows[n] + 16 * W.row_bytes + ahead - data_bytes),
+                     _MM_HINT_T0);
+      transpose16_u32(rows, 64 * kt, dst + (kt * 2 + h) * 1024);
+    }
   }
   for (int64_t h = 0; h < 2; ++h)
     for (int64_t n = 0; n < 16; ++n) {
@@ -364,6 +411,31 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
   }
 }
 
+// The INT8 GEMM on vpmaddubsw (maddubs_block): per parallel task one 32-column block packed once,
+// then every pair of A rows (A padded to whole pairs with zero rows).
+void gemm_maddubs(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, float* out, int64_t M) {
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
+    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    alignas(64) int32_t c[kMaddubsMBlock * 32];
+    const int64_t units = kbytes / 4;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaddubsMBlock) {
+        std::memset(c, 0, sizeof(c));
+        const int64_t rows = std::min<int64_t>(kMaddubsMBlock, ((M - m0 + kMaddubsRows - 1) / kMaddubsRows) * kMaddubsRows);
+        // the whole K per row pair (K chunks reusing B from L1 across pairs measured no better here)
+        for (int64_t i = 0; i < rows; i += kMaddubsRows)
+          maddubs_block(a + (m0 + i) * kbytes, kbytes, 0, units, b, c + i * 32);
+        write_back<true>(c, 32, 16, rows, m0, nb * 32, M, N, nullptr, out);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ INT4 GEMM on vpdpbusd
 //
 // INT4 group weights (unsigned nibbles q, per (row, group) scale s and zero point z: w = s·(q − z))
@@ -420,6 +492,54 @@ constexpr int kInt4GemmRows = 8;
 MOETUNE_INT4_BLOCK(int4_block_hw, MOETUNE_TARGET_VNNI, VnniHw::dpbusd)
 MOETUNE_INT4_BLOCK(int4_block_model, , VnniModel::dpbusd)
 #undef MOETUNE_INT4_BLOCK
+
+// The same GEMM on vpmaddubsw (cpu_int4_gemm=maddubs, any CPU): the nibbles (≤ 15) are its unsigned
+// side and x_q (|x_q| ≤ 127) its signed side, so no sign trick is needed, and a pair sum is at most
+// 2·15·127 = 3810: eight units add up in int16 (≤ 30480) before vpmaddwd widens them to int32, about
+// two instructions per 32 products. Two rows × 16 columns per sweep (4 int16 and 4 int32 sums in
+// registers), the 32-column block in two halves, the float32 accumulators in c. The integer sums are
+// vpdpbusd's, and the group step the same instructions in the same order: bitwise equal to int4_block.
+void int4_block_maddubs(const int8_t* a, int64_t kbytes, const float* xs, const float* xsum, int64_t G,
+                        int64_t gunits, const uint8_t* b, const float* sz, float* c) {
+  constexpr int R = kInt4GemmRows;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R * 32; i += 8) _mm256_store_ps(c + i, _mm256_setzero_ps());
+  // group-major, so that a group's B (gunits · 128 bytes) serves every row pair from L1
+  for (int64_t g = 0; g < G; ++g)
+    for (int i0 = 0; i0 < R; i0 += 2)
+      for (int h = 0; h < 2; ++h) {
+        __m256i p32[2][2];
+        for (int i = 0; i < 2; ++i) p32[i][0] = p32[i][1] = _mm256_setzero_si256();
+        for (uint64_t u8 = g * gunits; u8 < (uint64_t)((g + 1) * gunits); u8 += 8) {
+          // eight units lie in one K tile (u8 is a multiple of 8): constant offsets from its base
+          const uint8_t* bu = b + (u8 / 16) * 2048 + (u8 % 16) * 64 + 1024 * h;
+          const uint8_t* ap = (const uint8_t*)a + i0 * kbytes + 4 * u8;
+          __m256i p16[2][2];
+          for (int i = 0; i < 2; ++i) p16[i][0] = p16[i][1] = _mm256_setzero_si256();
+          _Pragma("GCC unroll 8") for (int uu = 0; uu < 8; ++uu) {
+            const __m256i b0 = _mm256_load_si256((const __m256i*)(bu + 64 * uu));
+            const __m256i b1 = _mm256_load_si256((const __m256i*)(bu + 64 * uu + 32));
+            for (int i = 0; i < 2; ++i) {
+              const __m256i av = _mm256_set1_epi32(load_u32(ap + i * kbytes + 4 * uu));
+              p16[i][0] = _mm256_add_epi16(p16[i][0], _mm256_maddubs_epi16(b0, av));
+              p16[i][1] = _mm256_add_epi16(p16[i][1], _mm256_maddubs_epi16(b1, av));
+            }
+          }
+          for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < 2; ++j) p32[i][j] = _mm256_add_epi32(p32[i][j], _mm256_madd_epi16(p16[i][j], ones));
+        }
+        const float* s = sz + g * 64 + 16 * h;
+        for (int i = 0; i < 2; ++i) {
+          const __m256 x = _mm256_set1_ps(xs[(i0 + i) * G + g]), q = _mm256_set1_ps(xsum[(i0 + i) * G + g]);
+          for (int j = 0; j < 2; ++j) {
+            float* cp = c + (i0 + i) * 32 + 16 * h + 8 * j;
+            const __m256 sv = _mm256_load_ps(s + 8 * j), zv = _mm256_load_ps(s + 32 + 8 * j);
+            _mm256_store_ps(cp, _mm256_fmadd_ps(_mm256_fnmadd_ps(zv, q, _mm256_cvtepi32_ps(p32[i][j])),
+                                                _mm256_mul_ps(sv, x), _mm256_load_ps(cp)));
+          }
+        }
+      }
+}
 
 // Columns [n0, n0 + 32) of an INT4 weight packed for int4_block: the nibbles as bytes through the
 // scratch `rows` ([32][kbytes], zero past the row's data and past N) into pack_b's layout at b, and
@@ -486,6 +606,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
   TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && dot),
               "tile GEMM: BF16 or INT8 weights (FP8 on the dot-product engine) only");
+  TORCH_CHECK(engine != kTilesMaddubs || int8, "tile GEMM: the vpmaddubsw engine takes INT8 weights only");
   if (engine == kTilesAmx) {
     TORCH_CHECK(amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: AMX is masked off (set_feature_mask)");
@@ -497,6 +618,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   const int64_t M = x_act.size(0), K = W.K, esz = int8 ? 1 : 2;
   const int64_t kbytes = ((K * esz + 63) / 64) * 64, mpad = ((M + 31) / 32) * 32;
   at::Tensor x = x_act.contiguous();
+  std::atomic<bool> has_m128{false};  // the vpmaddubsw engine's sign trick cannot negate −128
   // A: rows of kbytes bytes, zero-padded (bf16: round to nearest even, as torch's conversion;
   // INT8 on vpdpbusd: + 128, unsigned)
   at::Tensor abuf = at::zeros({mpad * kbytes}, at::kByte);
@@ -510,7 +632,9 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
         const __mmask16 mk = tail_mask16(K - k);
         const __m512 v = _mm512_maskz_loadu_ps(mk, xs + m * K + k);
         if (int8) {  // the quantized integers (exact in float32), + 128 for vpdpbusd's unsigned side
-          _mm512_mask_cvtepi32_storeu_epi8(a + m * kbytes + k, mk, _mm512_add_epi32(_mm512_cvtps_epi32(v), off));
+          const __m512i q = _mm512_cvtps_epi32(v);
+          if (engine == kTilesMaddubs && (mk & _mm512_cmp_ps_mask(v, _mm512_set1_ps(-128.f), _CMP_LE_OQ))) has_m128 = true;
+          _mm512_mask_cvtepi32_storeu_epi8(a + m * kbytes + k, mk, _mm512_add_epi32(q, off));
         } else {  // bfloat16, round to nearest even; NaN → 0x7FC0 (c10::BFloat16's conversion)
           const __m512i u = _mm512_castps_si512(v);
           __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
@@ -519,6 +643,8 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
         }
       }
   });
+  TORCH_CHECK(!has_m128, "tile GEMM: the vpmaddubsw engine takes INT8 activations in [-127, 127] (symmetric "
+              "quantization); a row holds -128");
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   const int64_t data_bytes = K * esz;
   float* o = out.data_ptr<float>();
@@ -536,6 +662,9 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
     case kTilesDotModel:
       int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp)
            : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp);
+      break;
+    case kTilesMaddubs:
+      gemm_maddubs(a, kbytes, W, data_bytes, o, M);
       break;
     default: TORCH_CHECK(false, "tile GEMM: unknown engine ", engine);
   }
@@ -608,9 +737,11 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
 
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on
 // the INT4 GEMM (int4_block: vpdpbusd, or its C++ model). Activations quantized here per (token, group).
-at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model) {
+at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
+  TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs, "INT4 GEMM: unknown engine ", engine);
+  const bool model = engine == kTilesDotModel;
   TORCH_CHECK(W.fmt == kInt4 && W.scale && W.zero && W.group % 32 == 0, "INT4 GEMM: INT4 weights in groups of a multiple of 32");
-  TORCH_CHECK(model || (usable_features() & kFeatVnni), "INT4 GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
+  TORCH_CHECK(engine != kTilesDot || (usable_features() & kFeatVnni), "INT4 GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == W.K && x_act.scalar_type() == at::kFloat, "INT4 GEMM: x float32 [M, K]");
   constexpr int R = kInt4GemmRows;
   const at::Tensor x = x_act.stride(1) == 1 ? x_act : x_act.contiguous();
@@ -648,7 +779,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model) {
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   float* o = out.data_ptr<float>();
   const int64_t N = W.N, nblocks = (N + 31) / 32, gunits = gsz / 4;
-  auto block = model ? int4_block_model<R> : int4_block_hw<R>;
+  auto block = engine == kTilesMaddubs ? int4_block_maddubs : model ? int4_block_model<R> : int4_block_hw<R>;
 #pragma omp parallel
   {
     std::vector<uint8_t> buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64);

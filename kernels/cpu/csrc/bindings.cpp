@@ -62,10 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("onednn", moetune::kFp8GemmOnednn).value("avx512bf16", moetune::kFp8GemmDot);
   py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
       .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
-      .value("vnni", moetune::kInt8GemmVnni);
+      .value("vnni", moetune::kInt8GemmVnni)
+      .value("maddubs", moetune::kInt8GemmMaddubs);
   py::enum_<moetune::Int4Gemm>(m, "Int4Gemm")
       .value("auto", moetune::kInt4GemmAuto).value("unpack", moetune::kInt4GemmUnpack)
-      .value("vnni", moetune::kInt4GemmVnni);
+      .value("vnni", moetune::kInt4GemmVnni)
+      .value("maddubs", moetune::kInt4GemmMaddubs);
   py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)

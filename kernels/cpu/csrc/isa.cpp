@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs"};
 }  // namespace
 
 unsigned detected_features() {
@@ -75,14 +75,24 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   // auto: the VNNI tile GEMM where the CPU has VNNI and no AMX (measured 1.9-3.0x unpack + BLAS at 512
   // tokens on an Emerald Rapids VM, docs/cpu_kernels.md; AMX, where present, keeps its own path)
   const bool vnni = kn.int8_gemm == kInt8GemmVnni || (kn.int8_gemm == kInt8GemmAuto && !(have & kFeatAmx));
+  if (W.fmt == kInt8 && kn.int8_gemm == kInt8GemmMaddubs) return kTilesMaddubs;
   if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
   if (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmDot || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16 && !(have & kFeatAmx))))
     feat = kFeatBf16;
   // INT4 (amx.cpp gemm_int4): AMX has no INT4 form, so auto takes VNNI wherever the CPU has it
+  if (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmMaddubs) return kTilesMaddubs;
   if (W.fmt == kInt4 && kn.int4_gemm != kInt4GemmUnpack) feat = kFeatVnni;
   if (!feat) return -1;
-  return (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
+  const int engine = (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
+#ifdef MOETUNE_AVX2_BUILD
+  // auto in the AVX2 build (no VNNI, no AMX form): INT8 and INT4 on vpmaddubsw (linear [5632, 2048] on an
+  // AMD Zen 3 VM: INT8 x1.3-1.7, INT4 x1.5-2.2 the float32 unpack + FMA tiles at 128-512 tokens;
+  // docs/cpu_kernels.md "Session 12")
+  if (engine < 0 && ((W.fmt == kInt8 && kn.int8_gemm == kInt8GemmAuto) || (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmAuto)))
+    return kTilesMaddubs;
+#endif
+  return engine;
 }
 
 void reset_used() { t_used = 0; }

@@ -103,8 +103,8 @@ void Knobs::check() const {
                   int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
-                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmVnni &&
-                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmVnni && fp8_gemm >= kFp8GemmAuto &&
+                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmMaddubs &&
+                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
                   fp8_gemm <= kFp8GemmDot,
               "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
               "fp8_gemm must be set");
@@ -543,19 +543,24 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
   }
-  // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni) runs
+  // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni|maddubs) runs
   // even where AMX is present: AMX is what "unpack" and "auto" take there
-  const bool named_dot = (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) || (W.fmt == kInt8 && kn.int8_gemm == kInt8GemmVnni);
+  const bool named_dot = (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) ||
+                         (W.fmt == kInt8 && (kn.int8_gemm == kInt8GemmVnni || kn.int8_gemm == kInt8GemmMaddubs));
   if (!named_dot && amx_usable(W.fmt, W.act_bf16) && x_act.size(0) >= kn.amx_min_tokens) {
     note_used(kUsedAmx);
     return gemm_amx(x_act, W, false);
   }
   const int engine = gemm_dot_engine(W, kn);
+  if (engine == kTilesMaddubs) {
+    note_used(kUsedMaddubs);
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine) : gemm_tiles_run(x_act, W, engine);
+  }
   if (engine >= 0) {
     const bool model = engine == kTilesDotModel;
     const bool bf16_dot = W.fmt == kBF16 || W.fmt == kFp8;
     note_used(!bf16_dot ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
-    return W.fmt == kInt4 ? gemm_int4(x_act, W, model) : gemm_tiles_run(x_act, W, engine);
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine) : gemm_tiles_run(x_act, W, engine);
   }
   if (unpack_gemm_fma(kn)) {
     note_used(kUsedFma);

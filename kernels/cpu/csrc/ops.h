@@ -49,7 +49,8 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
 bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
-                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256 };
+                       kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
+                       kUsedMaddubs = 512 };
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
@@ -89,16 +90,17 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
 const std::string& amx_unavailable();
 bool amx_usable(int fmt, bool act_bf16);
 at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
-// The tile GEMM on one engine: AMX, its C++ model, or AVX-512 dot-product tiles (VNNI / AVX512-BF16)
-// or their C++ model (amx.cpp).
-enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3 };
+// The tile GEMM on one engine: AMX, its C++ model, AVX-512 dot-product tiles (VNNI / AVX512-BF16)
+// or their C++ model, or INT8 on AVX2's vpmaddubsw (every CPU the kernels run on; amx.cpp).
+enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3, kTilesMaddubs = 4 };
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
-// engine of gemm_int4, kTilesDot or kTilesDotModel).
+// engine of gemm_int4; INT8 and INT4 may run kTilesMaddubs, on any CPU).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);
-// x_act [M, K] float32 · Wᵀ for an INT4 weight, real values, on vpdpbusd (model: its C++ model);
-// activations quantized to int8 per (token, group) inside (amx.cpp).
-at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, bool model);
+// x_act [M, K] float32 · Wᵀ for an INT4 weight, real values, on vpdpbusd (engine kTilesDot), its C++
+// model (kTilesDotModel) or vpmaddubsw (kTilesMaddubs); activations quantized to int8 per (token,
+// group) inside (amx.cpp).
+at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
 // From how many activation rows a weight takes the GEMM path: dot_gemm_min_tokens where its GEMM runs a
 // dot-product engine here (no float32 unpack: it wins from fewer rows; FP8 excepted, whose blocks are
 // expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
