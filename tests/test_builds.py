@@ -114,7 +114,8 @@ def _calls(cpu, weight, g, out) -> None:
         for t in (1, 3, 37, 300):
             for dt in (torch.float32, torch.bfloat16):
                 x = torch.randn(t, 1000, generator=g).to(dt)
-                if t == 300:  # the GEMM path: both unpack GEMMs by name (auto differs between the builds)
+                if t >= 37:  # the GEMM path (from cpu_gemm_min_tokens): both unpack GEMMs by name (auto differs
+                    # between the builds)
                     for u in ("blas", "fma"):
                         out[f"linear/{fmt}/{t}/{dt}/{u}"] = cpu.linear(x, w, knobs={**unpack, "cpu_unpack_gemm": u})
                 else:
