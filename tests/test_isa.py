@@ -696,6 +696,11 @@ def test_prefill_on_dot_tiles_through_linear_and_fused_moe(fmt):
     if fmt == "int8":  # exact integer sums: equal to the unpack + BLAS path
         assert torch.equal(got, cpu.linear(x, w, knobs={**knobs, knob: "unpack"}))
         check(got, reference.linear(x, w), TIGHT, "vnni tiles")
+        # bf16 rows: the GEMM writes bf16 itself, the unpack path's float32 result rounded by .to()
+        xb = x.bfloat16()
+        with cpu.emulate([feature]):
+            gb = cpu.linear(xb, w, knobs=knobs)
+        assert gb.dtype == torch.bfloat16 and torch.equal(gb, cpu.linear(xb, w, knobs={**knobs, knob: "unpack"}))
     elif fmt == "fp8":
         cast = w.dequantize().float().bfloat16().float()
         check(got, torch.nn.functional.linear(x.bfloat16().float(), cast), TIGHT, "fp8 dot tiles vs the bf16 cast")

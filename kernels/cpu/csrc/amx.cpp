@@ -382,10 +382,61 @@ void gemm_tiles(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t d
   }
 }
 
+// Rows [m0, m0 + rows) × columns [n0, n0 + 32) of INT8 int32 sums c ([rows][32]) into out [M, N] as the
+// real products float(sum − 128·comp[n]) · xs[m] · ws[n] (comp: nullptr on signed A, else A + 128 as
+// write_back), the order of the unpack path's out.mul_(xs).mul_(ws); stored as float32, or (Bf16Out)
+// rounded to bfloat16 as torch's conversion rounds finite values (nearest even). Masked at M and N.
+template <bool Bf16Out>
+inline void write_back_scaled(const int32_t* c, int64_t rows, int64_t m0, int64_t n0, int64_t M, int64_t N,
+                              const int32_t* comp, const float* xs, const float* ws, void* out) {
+  for (int64_t i = 0; i < rows && m0 + i < M; ++i) {
+    const __m256 x = _mm256_set1_ps(xs[m0 + i]);
+    for (int64_t q = 0; q < 4 && n0 + 8 * q < N; ++q) {
+      const int64_t n = n0 + 8 * q, left = std::min<int64_t>(8, N - n);
+      const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256i s = _mm256_load_si256((const __m256i*)(c + i * 32 + 8 * q));
+      if (comp) s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_maskload_epi32(comp + n, mk), 7));
+      const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), x), _mm256_maskload_ps(ws + n, mk));
+      if constexpr (Bf16Out) {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                                 _mm256_set1_epi32(0x7FFF))), 16);
+        // 8 × 16 bits: packus within each 128-bit lane, then the two lanes' low halves together
+        const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+        uint16_t* dst = static_cast<uint16_t*>(out) + (m0 + i) * N + n;
+        if (left == 8) _mm_storeu_si128((__m128i*)dst, h);
+        else {
+          alignas(16) uint16_t t[8];
+          _mm_store_si128((__m128i*)t, h);
+          std::memcpy(dst, t, 2 * left);
+        }
+      } else {
+        _mm256_maskstore_ps(static_cast<float*>(out) + (m0 + i) * N + n, mk, v);
+      }
+    }
+  }
+}
+
+// Where a tile GEMM's int32 sums go: the raw path (sums as float32, comp applied: write_back), or the
+// real INT8 products scaled per row and column (xs set: write_back_scaled), in float32 or bfloat16.
+struct SumsOut {
+  void* out;
+  const int32_t* comp = nullptr;
+  const float* xs = nullptr;
+  const float* ws = nullptr;
+  bool bf16 = false;
+  void put(const int32_t* c, int64_t rows, int64_t m0, int64_t n0, int64_t M, int64_t N) const {
+    if (!xs) write_back<true>(c, 32, 16, rows, m0, n0, M, N, comp, static_cast<float*>(out));
+    else if (bf16) write_back_scaled<true>(c, rows, m0, n0, M, N, comp, xs, ws, out);
+    else write_back_scaled<false>(c, rows, m0, n0, M, N, comp, xs, ws, out);
+  }
+};
+
 // The dot-product engine (dot_block_*): 8 rows at a time; the models run under MXCSR.DAZ|FTZ.
 template <bool Int8>
-void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, float* out,
-              int64_t M, const int32_t* comp) {
+void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+              int64_t M) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
   void (*block)(const uint8_t*, int64_t, const uint8_t*, void*) =
       Int8 ? (model ? dot_block_int8_model : dot_block_int8_hw) : (model ? dot_block_bf16_model : dot_block_bf16_hw);
@@ -404,7 +455,8 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
       else pack_b(W, nb * 32, data_bytes, kbytes, b);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         block(a + m0 * kbytes, kbytes, b, c);
-        write_back<Int8>(c, 32, 16, 8, m0, nb * 32, M, N, comp, out);
+        if constexpr (Int8) so.put(c, 8, m0, nb * 32, M, N);
+        else write_back<false>(c, 32, 16, 8, m0, nb * 32, M, N, nullptr, static_cast<float*>(so.out));
       }
     }
     if (model) _mm_setcsr(csr);
@@ -412,8 +464,9 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
 }
 
 // The INT8 GEMM on vpmaddubsw (maddubs_block): per parallel task one 32-column block packed once,
-// then every pair of A rows (A padded to whole pairs with zero rows).
-void gemm_maddubs(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, float* out, int64_t M) {
+// then every pair of A rows (A padded to whole pairs with zero rows), the sums written as `so` says.
+void gemm_maddubs(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+                  int64_t M) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
 #pragma omp parallel
   {
@@ -430,7 +483,7 @@ void gemm_maddubs(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t
         // the whole K per row pair (K chunks reusing B from L1 across pairs measured no better here)
         for (int64_t i = 0; i < rows; i += kMaddubsRows)
           maddubs_block(a + (m0 + i) * kbytes, kbytes, 0, units, b, c + i * 32);
-        write_back<true>(c, 32, 16, rows, m0, nb * 32, M, N, nullptr, out);
+        so.put(c, rows, m0, nb * 32, M, N);
       }
     }
   }
@@ -660,14 +713,61 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
       break;
     case kTilesDot:
     case kTilesDotModel:
-      int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp)
-           : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, SumsOut{o, comp}, M)
+           : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, SumsOut{o}, M);
       break;
     case kTilesMaddubs:
-      gemm_maddubs(a, kbytes, W, data_bytes, o, M);
+      gemm_maddubs(a, kbytes, W, data_bytes, SumsOut{o}, M);
       break;
     default: TORCH_CHECK(false, "tile GEMM: unknown engine ", engine);
   }
+  return out;
+}
+
+// INT8 weights × activation rows already quantized (prepare_act's int16 integers, |q| ≤ 127, row stride
+// ld; rows: nullptr for rows 0..M, else the rows to gather) on the vpdpbusd engine (A + 128, unsigned;
+// on the instruction or its model) or the vpmaddubsw one (signed A), the scales applied in the
+// write-back (xs[rows[m]] · W.scale[n]): no float32 copy of the activations, no pass over the output.
+// → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
+at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
+                              const WeightView& W, int engine, bool bf16_out) {
+  TORCH_CHECK(W.fmt == kInt8 && W.scale, "INT8 GEMM from integers: INT8 weights with scales");
+  const bool dot = engine == kTilesDot || engine == kTilesDotModel;
+  TORCH_CHECK(dot || engine == kTilesMaddubs, "INT8 GEMM from integers: the vpdpbusd or vpmaddubsw engine");
+  TORCH_CHECK(!dot || W.wsum, "INT8 GEMM from integers: vpdpbusd needs the weight's row sums");
+  if (engine == kTilesDot)
+    TORCH_CHECK(usable_features() & kFeatVnni, "tile GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
+  // both engines take A in blocks of 8 rows (gemm_dot's dot block, kMaddubsMBlock)
+  const int64_t K = W.K, kbytes = ((K + 63) / 64) * 64, mpad = ((M + 7) / 8) * 8;
+  at::Tensor abuf = at::empty({mpad * kbytes}, at::kByte), sbuf = at::empty({M}, at::kFloat);
+  uint8_t* a = abuf.data_ptr<uint8_t>();
+  float* s = sbuf.data_ptr<float>();
+  const int off = dot ? 128 : 0;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, mpad, 16, [&](int64_t b, int64_t e) {
+    int16_t lo = 0;
+    for (int64_t m = b; m < e; ++m) {
+      uint8_t* dst = a + m * kbytes;
+      if (m >= M) {  // padding rows: zero integers
+        std::memset(dst, off, kbytes);
+        continue;
+      }
+      const int64_t r = rows ? rows[m] : m;
+      const int16_t* src = xq + r * ld;
+      for (int64_t k = 0; k < K; ++k) {
+        dst[k] = (uint8_t)(src[k] + off);
+        lo = std::min(lo, src[k]);
+      }
+      std::memset(dst + K, off, kbytes - K);
+      s[m] = xs[r];
+    }
+    if (lo < -127) bad = true;
+  });
+  TORCH_CHECK(!bad, "INT8 GEMM from integers: activations in [-127, 127] (symmetric quantization)");
+  at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
+  const SumsOut so{out.data_ptr(), dot ? W.wsum : nullptr, s, W.scale, bf16_out};
+  if (dot) gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, K, so, M);
+  else gemm_maddubs(a, kbytes, W, K, so, M);
   return out;
 }
 

@@ -585,6 +585,14 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
   return p.xf.narrow(1, 0, K);
 }
 
+bool int8_from_integers(const WeightView& W, const Knobs& kn) {
+  if (W.fmt != kInt8) return false;
+  const int engine = gemm_dot_engine(W, kn);
+  if (engine != kTilesMaddubs && engine != kTilesDot && engine != kTilesDotModel) return false;
+  note_used(engine == kTilesMaddubs ? kUsedMaddubs : engine == kTilesDot ? kUsedVnni : kUsedVnniModel);
+  return true;
+}
+
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
                      const Knobs& kn) {
@@ -606,6 +614,9 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
   PreparedAct p = prepare_act(x, W);
+  if (gemm && int8_from_integers(W, kn))  // the integers as they are, scaled in the write-back, in x's dtype
+    return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
+                              gemm_dot_engine(W, kn), x.scalar_type() == at::kBFloat16);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));

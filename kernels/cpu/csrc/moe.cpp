@@ -90,12 +90,18 @@ void down_tile(const StackedWeight& W2, const Act& H, const Routing& r, const st
   }
 }
 
-// The unpack + BLAS path for one expert's gate/up: rows of h for its slots.
+// The GEMM path for one expert's gate/up: rows of h for its slots.
 void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok, int64_t n, int64_t D, int64_t I,
                   float* h, const Knobs& kn) {
-  at::Tensor g = gemm_unpacked(gather_rows(xa, tok, n, D), W, kn);  // [n, 2I]
-  if (W.fmt == kInt8)
-    g.mul_(gathered_scales(xa, tok, n).unsqueeze(1)).mul_(at::from_blob((void*)W.scale, {2 * I}, at::kFloat).unsqueeze(0));
+  at::Tensor g;
+  if (int8_from_integers(W, kn)) {
+    g = gemm_int8_prepared(xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), tok, n, W,
+                           gemm_dot_engine(W, kn));
+  } else {
+    g = gemm_unpacked(gather_rows(xa, tok, n, D), W, kn);  // [n, 2I]
+    if (W.fmt == kInt8)
+      g.mul_(gathered_scales(xa, tok, n).unsqueeze(1)).mul_(at::from_blob((void*)W.scale, {2 * I}, at::kFloat).unsqueeze(0));
+  }
   at::Tensor hv = at::from_blob(h, {n, I}, at::kFloat);
   hv.copy_(at::silu(g.narrow(1, 0, I)).mul(g.narrow(1, I, I)));
 }
@@ -103,10 +109,16 @@ void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok
 void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int64_t e, int64_t I, at::Tensor& out,
                const Knobs& kn) {
   const int64_t n = r.count[e], off = r.offset[e];
-  at::Tensor y = gemm_unpacked(gather_rows(ha, r.slot_idx.data() + off, n, I), W, kn);  // [n, D]
-  if (W.fmt == kInt8)
-    y.mul_(gathered_scales(ha, r.slot_idx.data() + off, n).unsqueeze(1))
-        .mul_(at::from_blob((void*)W.scale, {W.N}, at::kFloat).unsqueeze(0));
+  at::Tensor y;
+  if (int8_from_integers(W, kn)) {
+    y = gemm_int8_prepared(ha.xq.data_ptr<int16_t>(), ha.xq.size(1), ha.xs.data_ptr<float>(), r.slot_idx.data() + off, n,
+                           W, gemm_dot_engine(W, kn));
+  } else {
+    y = gemm_unpacked(gather_rows(ha, r.slot_idx.data() + off, n, I), W, kn);  // [n, D]
+    if (W.fmt == kInt8)
+      y.mul_(gathered_scales(ha, r.slot_idx.data() + off, n).unsqueeze(1))
+          .mul_(at::from_blob((void*)W.scale, {W.N}, at::kFloat).unsqueeze(0));
+  }
   at::Tensor wts = at::from_blob((void*)(r.slot_w.data() + off), {n, 1}, at::kFloat);
   at::Tensor toks = at::from_blob((void*)(r.slot_tok.data() + off), {n}, at::kLong);
   out.index_add_(0, toks, y.mul(wts));

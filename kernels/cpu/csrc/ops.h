@@ -94,6 +94,13 @@ at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
 // or their C++ model, or INT8 on AVX2's vpmaddubsw (every CPU the kernels run on; amx.cpp).
 enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3, kTilesMaddubs = 4 };
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
+// INT8 from prepare_act's int16 integers (row stride ld; rows: nullptr, or the rows to gather) on the
+// vpdpbusd engine (kTilesDot / kTilesDotModel) or vpmaddubsw (kTilesMaddubs), the scales applied
+// (xs[row] · W.scale[n]) → [M, N] float32, or bfloat16 with bf16_out (amx.cpp).
+// INT8 weights whose GEMM path here runs one of those engines from the integers (the call record noted).
+bool int8_from_integers(const WeightView& W, const Knobs& kn);
+at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
+                              const WeightView& W, int engine, bool bf16_out = false);
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
 // engine of gemm_int4; INT8 and INT4 may run kTilesMaddubs, on any CPU).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);

@@ -447,7 +447,11 @@ class DecodeRunner {
     const bool gemm = M >= gemm_from(W, kn);
     if (gemm) W.no_micro_forms();
     PreparedAct p = prepare_act_f32rows(x, M, L.K, L.K, W, pool ? pool : &pools_[slot]);
-    if (gemm) {
+    if (gemm && int8_from_integers(W, kn)) {
+      at::Tensor o = gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
+                                        gemm_dot_engine(W, kn));
+      std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
+    } else if (gemm) {
       at::Tensor in = (p.xq.defined() && !p.xf.defined()) ? p.xq.narrow(1, 0, L.K).to(at::kFloat) : p.xf.narrow(1, 0, L.K);
       at::Tensor o = gemm_unpacked(in, W, kn);
       if (W.fmt == kInt8) o.mul_(p.xs.unsqueeze(1)).mul_(L.scale.unsqueeze(0));
