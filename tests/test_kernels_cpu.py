@@ -470,6 +470,37 @@ def test_spread_tiles_equal_adjacent_tiles_bitwise(fmt):
                            cpu.fused_moe(x, w13, w2, tw, ids, knobs={**kn, "cpu_tile_rows": "spread"})), (fmt, block)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128"])
+def test_micro_order_tiles_equals_groups_bitwise(fmt):
+    """cpu_micro_order only changes the order of a sweep's (token group, row tile) calls: every output
+    element is the same microkernel call on the same rows and tokens, so tiles and groups are bitwise
+    equal, for token counts that leave every tail (4s, a pair, a single token), row counts off the tile,
+    both tile heights, spread and adjacent tiles; in linear and fused MoE, float32 and bf16 rows."""
+    g = torch.Generator().manual_seed(len(fmt) + 3)
+    micro = {"cpu_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096}
+    for n, k in ((130, 256), (64, 1000), (7, 128)):
+        w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+        for t in (2, 5, 7, 12, 37):
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(t, k, generator=g).to(dt)
+                for rows, tiles in ((4, "spread"), (8, "adjacent")):
+                    kn = {**micro, "cpu_micro_rows": rows, "cpu_tile_rows": tiles, "cpu_linear_block_n": 32}
+                    a = cpu.linear(x, w, knobs={**kn, "cpu_micro_order": "groups"})
+                    b = cpu.linear(x, w, knobs={**kn, "cpu_micro_order": "tiles"})
+                    assert torch.equal(a, b), (fmt, n, k, t, rows)
+    e, d, i = 6, 256, 192
+    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
+    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    for t in (9, 40):
+        x = torch.randn(t, d, generator=g).bfloat16()
+        tw, ids = torch.rand(t, 2, generator=g), torch.randint(0, e, (t, 2), generator=g)
+        with cpu.recording() as rec:
+            a = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_micro_order": "groups"})
+            b = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_micro_order": "tiles"})
+        assert torch.equal(a, b), (fmt, t)
+        assert [r["knobs"]["cpu_micro_order"] for r in rec] == ["groups", "tiles"]
+
+
 @pytest.mark.parametrize("k", [1, 2, 17, 31, 32, 33, 95, 1000])
 def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
     """cpu_bf16_method=split (two bf16 per 32-bit lane split by a shift and a mask, activations

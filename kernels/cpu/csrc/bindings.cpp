@@ -42,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("widen", moetune::kBf16Widen).value("split", moetune::kBf16Split);
   py::enum_<moetune::TileRows>(m, "TileRows")
       .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
+  py::enum_<moetune::MicroOrder>(m, "MicroOrder")
+      .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles);
   py::enum_<moetune::AttnIsa>(m, "AttnIsa")
       .value("auto", moetune::kAttnIsaAuto).value("avx512", moetune::kAttnIsaAvx512)
       .value("avx512bf16", moetune::kAttnIsaDot);
@@ -79,6 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("fp8_method", &Knobs::fp8_method)
       .def_readwrite("bf16_method", &Knobs::bf16_method)
       .def_readwrite("tile_rows", &Knobs::tile_rows)
+      .def_readwrite("micro_order", &Knobs::micro_order)
       .def_readwrite("int4_method", &Knobs::int4_method)
       .def_readwrite("task_chunk", &Knobs::task_chunk)
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)

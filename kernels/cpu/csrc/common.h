@@ -31,6 +31,11 @@ enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1 };
 // of one row each per tile), or rows a sweep's rows / R apart (spread: R streams that each run through
 // rows / R consecutive rows, one long sequential read per stream, as the probe's fastest reader).
 enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
+// cpu_micro_order: a sweep of more tokens than one register tile takes (micro_sweep), in groups of
+// micro_tokens: every group runs over all the sweep's rows before the next (groups: the rows are read
+// from memory once, then from L2 for each later group), or every row tile runs all the groups while its
+// rows are in L1 (tiles: the memory stream of the next rows overlaps the later groups' arithmetic).
+enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1 };
 // cpu_attn_isa: the attention products' instruction (attention.cpp's attn_dot): float32 FMAs (avx512),
 // vdpbf16ps on bf16 pairs (avx512bf16), auto: avx512bf16 where the CPU has it and the queries are bf16.
 enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2 };
@@ -97,6 +102,7 @@ struct Knobs {
   Fp8Method fp8_method = (Fp8Method)-1;
   Bf16Method bf16_method = (Bf16Method)-1;
   TileRows tile_rows = (TileRows)-1;
+  MicroOrder micro_order = (MicroOrder)-1;
   Int4Method int4_method = (Int4Method)-1;
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present

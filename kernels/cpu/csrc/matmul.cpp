@@ -100,13 +100,14 @@ void Knobs::check() const {
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
+                  micro_order >= kOrderGroups && micro_order <= kOrderTiles &&
                   int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmMaddubs &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
                   fp8_gemm <= kFp8GemmDot,
-              "fp8_method, bf16_method, tile_rows, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
+              "fp8_method, bf16_method, tile_rows, micro_order, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
               "fp8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
@@ -364,24 +365,36 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   WeightView Ws = W;
   Ws.tile_stride = S;
   const int64_t tiles = S > 1 ? S : (rows + R - 1) / R, tstep = S > 1 ? 1 : R, cstep = S > 1 ? S : 1;
-  for (int64_t m0 = 0; m0 < M; m0 += MT) {
-    const int64_t mt = std::min<int64_t>(MT, M - m0);
-    for (int64_t mm = m0; mm < m0 + mt;) {
-      const int64_t left = m0 + mt - mm;
-      const int64_t step = left == MT ? MT : (left >= 2 && fn2) ? 2 : 1;
-      MicroFn f = step == MT ? fn : step == 2 ? fn2 : fn1;
-      for (int64_t j = 0; j < step; ++j) t[j] = tok[mm + j];
-      const bool last_group = mm + step >= M;
-      for (int64_t i = 0; i < tiles; ++i) {
-        const int64_t r0 = n0 + i * tstep;
-        const uint8_t* nx = i + 1 < tiles ? W.w + (r0 + tstep) * W.row_bytes : last_group ? next : first;
-        f(Ws, r0, A, t, buf, nx);
-        const int64_t nr = S > 1 ? R : std::min<int64_t>(R, n1 - r0);
-        for (int64_t j = 0; j < step; ++j)
-          for (int64_t r = 0; r < nr; ++r) out[(mm + j) * ldo + (r0 - n0) + r * cstep] = buf[j * R + r];
-      }
+  // The token groups: micro_tokens tokens while that many are left in a group, then pairs, then single
+  // tokens (at most M groups; the vector only past 256 tokens, beyond the microkernels' token range)
+  struct Group { int64_t m, n; MicroFn f; };
+  Group one[256];
+  std::vector<Group> many;
+  Group* groups = M <= 256 ? one : (many.resize(M), many.data());
+  int64_t ng = 0;
+  for (int64_t m0 = 0; m0 < M; m0 += MT)
+    for (int64_t mm = m0, end = std::min<int64_t>(m0 + MT, M); mm < end;) {
+      const int64_t left = end - mm, step = left == MT ? MT : (left >= 2 && fn2) ? 2 : 1;
+      groups[ng++] = {mm, step, step == MT ? fn : step == 2 ? fn2 : fn1};
       mm += step;
     }
+  auto run = [&](const Group& g, int64_t i, const uint8_t* nx) {
+    const int64_t r0 = n0 + i * tstep;
+    for (int64_t j = 0; j < g.n; ++j) t[j] = tok[g.m + j];
+    g.f(Ws, r0, A, t, buf, nx);
+    const int64_t nr = S > 1 ? R : std::min<int64_t>(R, n1 - r0);
+    for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t r = 0; r < nr; ++r) out[(g.m + j) * ldo + (r0 - n0) + r * cstep] = buf[j * R + r];
+  };
+  // the rows a tile prefetches while it is read: the next tile's; after the last tile, the next group's
+  // first tile (groups order) or the rows after the sweep
+  auto next_of = [&](int64_t i, bool last) { return i + 1 < tiles ? W.w + (n0 + (i + 1) * tstep) * W.row_bytes : last ? next : first; };
+  if (kn.micro_order == kOrderTiles) {
+    for (int64_t i = 0; i < tiles; ++i)
+      for (int64_t q = 0; q < ng; ++q) run(groups[q], i, next_of(i, true));
+  } else {
+    for (int64_t q = 0; q < ng; ++q)
+      for (int64_t i = 0; i < tiles; ++i) run(groups[q], i, next_of(i, q + 1 == ng));
   }
   if (csr_bits) _mm_setcsr(csr);
 }
