@@ -66,6 +66,7 @@ MLA_CASES = {  # name → (lens, H, R, P, BS)
     "regular_b2_8192": ([8192, 5000], 16, 512, 64, 64),
     "regular_b4": ([512, 300, 1024, 64], 16, 512, 64, 64),
     "regular_v3_heads": ([257, 3], 128, 512, 64, 64),
+    "regular_v3_b1": ([512], 128, 512, 64, 64),
     "odd_h6": ([1, 7, 129, 300], 6, 512, 64, 16),
     "odd_h22_r20_p4": ([300, 7, 129], 22, 20, 4, 16),
     "odd_bs4": ([7, 129], 22, 512, 64, 4),
@@ -360,6 +361,24 @@ def test_kv_splits_never_exceed_what_the_threads_need():
         assert not same_bits(run(args1, 1), run(args1, 2))  # one piece: a different summation order
         assert same_bits(run(args4, 1), run(args4, 8)) and same_bits(run(args4, 1), run(args4, 64))
         check(run(args1, 64), reference.mla_decode(*args1), tol(F32), "mla_decode, splits capped")
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_one_sequence_splits_its_heads_before_its_keys():
+    """Fewer (sequence, KV head, head block) tasks than threads: the head blocks are halved (not below one
+    register group of 16 heads) before a sequence's keys are split. With 2 threads one sequence of
+    DeepSeek-V3's 128 heads runs as two 64-head blocks of one key piece each: the same bits as asking for
+    64-head blocks, and as forbidding key splits; within the bound of the reference."""
+    args = mla_inputs("regular_v3_b1", BF, F32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run = lambda **kn: cpu.mla_decode(*args, knobs=kn)  # noqa: E731
+        got = run(cpu_attn_head_fold=128)
+        assert same_bits(got, run(cpu_attn_head_fold=64))
+        assert same_bits(got, run(cpu_attn_head_fold=128, cpu_attn_kv_splits=1))
+        check(got, reference.mla_decode(*args), tol(F32), "mla_decode, one sequence, head blocks halved")
     finally:
         torch.set_num_threads(old)
 

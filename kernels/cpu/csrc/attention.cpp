@@ -474,11 +474,19 @@ template <int DT>
 void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const KVSource& V, const int32_t* tables,
                  int64_t MB, const int32_t* lens, float scale, const Knobs& kn, float* out) {
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim;
-  const int64_t hf = std::min(kn.attn_head_fold, Hg), nhb = (Hg + hf - 1) / hf;
+  const int64_t threads = omp_get_max_threads();
+  // Fewer (sequence, KV head, head block) tasks than threads (one sequence of MLA's 128 heads on one
+  // latent head): the head blocks are halved first, down to one register group of heads, as a head block
+  // needs no partial output and no merge (each block reads every key; attention decode is bound by its
+  // products there). cpu_attn_head_fold stays the cap. Zen 4, 2 threads, 128 heads × 512 keys: 64-head
+  // blocks ×1.16 one 128-head block cut into 2 key splits.
+  int64_t hf = std::min(kn.attn_head_fold, Hg);
+  while (hf / 2 >= kGroup && B * Hkv * ((Hg + hf - 1) / hf) < threads) hf /= 2;
+  const int64_t nhb = (Hg + hf - 1) / hf;
   // Splitting a sequence's keys only creates parallelism (and costs a partial output per piece, zeroed
   // and merged): at most attn_kv_splits pieces, and no more than the threads need beside the
   // (sequence, KV head, head block) tasks there already are (a batch of ≥ threads sequences: none).
-  const int64_t groups = B * Hkv * nhb, threads = omp_get_max_threads();
+  const int64_t groups = B * Hkv * nhb;
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(kn.attn_kv_splits, (threads + groups - 1) / groups));
   const int64_t tasks = groups * S;
   // Split partials: the output rows are written before they are read (an empty split is never read),
