@@ -598,12 +598,12 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
   return p.xf.narrow(1, 0, K);
 }
 
-bool int8_from_integers(const WeightView& W, const Knobs& kn) {
-  if (W.fmt != kInt8) return false;
+int int8_integer_engine(const WeightView& W, const Knobs& kn) {
+  if (W.fmt != kInt8) return -1;
   const int engine = gemm_dot_engine(W, kn);
-  if (engine != kTilesMaddubs && engine != kTilesDot && engine != kTilesDotModel) return false;
+  if (engine != kTilesMaddubs && engine != kTilesDot && engine != kTilesDotModel) return -1;
   note_used(engine == kTilesMaddubs ? kUsedMaddubs : engine == kTilesDot ? kUsedVnni : kUsedVnniModel);
-  return true;
+  return engine;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
@@ -627,9 +627,10 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
   PreparedAct p = prepare_act(x, W);
-  if (gemm && int8_from_integers(W, kn))  // the integers as they are, scaled in the write-back, in x's dtype
+  const int int8_engine = gemm ? int8_integer_engine(W, kn) : -1;
+  if (int8_engine >= 0)  // the integers as they are, scaled in the write-back, in x's dtype
     return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
-                              gemm_dot_engine(W, kn), x.scalar_type() == at::kBFloat16);
+                              int8_engine, x.scalar_type() == at::kBFloat16);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));

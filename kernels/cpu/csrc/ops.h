@@ -97,8 +97,8 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // INT8 from prepare_act's int16 integers (row stride ld; rows: nullptr, or the rows to gather) on the
 // vpdpbusd engine (kTilesDot / kTilesDotModel) or vpmaddubsw (kTilesMaddubs), the scales applied
 // (xs[row] · W.scale[n]) → [M, N] float32, or bfloat16 with bf16_out (amx.cpp).
-// INT8 weights whose GEMM path here runs one of those engines from the integers (the call record noted).
-bool int8_from_integers(const WeightView& W, const Knobs& kn);
+// The engine INT8 weights' GEMM path runs from the integers here (the call record noted), or -1: none.
+int int8_integer_engine(const WeightView& W, const Knobs& kn);
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
                               const WeightView& W, int engine, bool bf16_out = false);
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
