@@ -97,3 +97,28 @@ def test_user_mistakes_are_one_line(tmp_path):
     p = moetune("autotune", "--time-budget", "ten minutes", env=env)
     _, err = p.communicate(timeout=300)  # a generous bound: a loaded 2-core machine takes long to import
     assert p.returncode == 2 and "duration" in err
+
+
+def test_a_dropped_kernel_table_removes_the_earlier_runs_rows(tmp_path):
+    """The kernel tier's tables replace, per op it tuned, what an earlier run left in the profile: where
+    this run's end-to-end check dropped an op's rows, the earlier rows (measured on other code, never
+    checked against this one) go too; ops not tuned now and the system tier's knobs stay."""
+    from tuner.autotune import store_tables
+    from tuner.profile import load_profile
+
+    path = tmp_path / "p.toml"
+    linear = [{"format": "bf16", "n": 768, "k": 2048, "tokens": 16, "cpu_micro_rows": 8}]
+    mla = [{"format": "bf16", "heads": 16, "rank": 512, "rope": 64, "batch": 1, "context": 128,
+            "cpu_attn_kv_splits": 2}]
+    store_tables(path, "m", {"linear", "cpu_mla_decode"}, {"linear": linear, "cpu_mla_decode": mla})
+    prof = load_profile(path)
+    prof.knobs["threads"] = 2
+    from tuner.profile import save_profile
+    save_profile(prof, path)
+    store_tables(path, "m", {"linear"}, {})  # linear re-tuned, its rows dropped by the check
+    after = load_profile(path)
+    assert "linear" not in after.kernel_tables
+    assert after.kernel_tables["cpu_mla_decode"] == mla and after.knobs == {"threads": 2}
+    newer = [{**linear[0], "cpu_micro_rows": 4}]
+    store_tables(path, "m", {"linear"}, {"linear": newer})  # kept: this run's rows, not appended to old ones
+    assert load_profile(path).kernel_tables["linear"] == newer

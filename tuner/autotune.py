@@ -24,6 +24,7 @@ import dataclasses
 import re
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from engine.errors import MoetuneError
 
@@ -175,7 +176,7 @@ def _kernels(args, cfg, t0: float) -> int:
     from tuner.cpu_ops import model_ops
     from tuner.fingerprint import fingerprint
     from tuner.kernel_tier import tune_op
-    from tuner.profile import Profile, load_profile, profile_path, save_profile
+    from tuner.profile import profile_path
 
     llm = LLM(args.model, dtype=args.dtype, profile=None, progress=True)
     if llm.knobs["kernel_backend"] != "cpu":
@@ -228,10 +229,23 @@ def _kernels(args, cfg, t0: float) -> int:
     if args.table_rounds:
         tables = confirm_tables(args, tables, args.table_rounds)
     path = profile_path(fingerprint()["hardware_key"], mkey)
-    prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))
-    prof.kernel_tables.update(tables)  # the system tier's knobs in the same profile are kept
-    print(f"kernel tables for {', '.join(tables)}: {save_profile(prof, path)}")
+    saved = store_tables(path, mkey, {op.name for op in ops}, tables)
+    print(f"kernel tables for {', '.join(tables) or 'no op'}: {saved}")
     return 0
+
+
+def store_tables(path: Path, mkey: str, tuned: set[str], tables: dict) -> Path:
+    """This run's tables into the profile at `path`: for every op tuned now (`tuned`), its rows replace the
+    profile's earlier ones, or remove them where the end-to-end check dropped them (an earlier run's rows
+    were measured on other code and not checked against this one); other ops' tables and the system
+    tier's knobs stay."""
+    from tuner.profile import Profile, load_profile, save_profile
+
+    prof = load_profile(path) if path.is_file() else Profile(_meta(mkey, "kernel tier", None, {}, {}))
+    for op in tuned:
+        prof.kernel_tables.pop(op, None)
+    prof.kernel_tables.update(tables)
+    return save_profile(prof, path)
 
 
 def decode_rows(tables: dict) -> dict:
