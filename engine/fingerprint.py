@@ -84,8 +84,8 @@ def _kernel_variants(flags: set[str]) -> dict:
     v = variants_for(flags, build)
     pick = lambda how: ";".join(f"{k}=" + ",".join(n for n, h in d.items() if h == how)  # noqa: E731
                                 for k, d in v.items() if how in d.values())
-    amx = build == "avx512" and all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8"))
-    return {"cpu_kernel_build": build or "none", "cpu_kernel_variants": pick("native") + (";amx" if amx else ""), "cpu_kernel_variants_model_only": pick("model")}
+    return {"cpu_kernel_build": build or "none", "cpu_kernel_variants": pick("native"),
+            "cpu_kernel_variants_model_only": pick("model")}
 
 
 def _gpus() -> dict:

@@ -94,9 +94,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
          "has already fetched)", low=1, high=64, log=True),
     Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
-         "CPU linear / fused MoE (tokens per expert), INT8 weights, and BF16 weights on bf16 "
-         "activations: from this many rows the GEMM runs on AMX tiles where the CPU has AMX (inert "
-         "elsewhere; float32 activations are never rounded to bf16 for it)", low=1, high=4096, log=True),
+         "CPU linear / fused MoE (tokens per expert): from this many rows the AMX variant of the GEMM path "
+         "(cpu_int8_gemm amx or auto, cpu_bf16_gemm amx) runs where the CPU has AMX (inert elsewhere)",
+         low=1, high=4096, log=True),
+    Knob("cpu_amx_k_block", int, 0, "kernels/cpu",
+         "CPU AMX GEMM: bytes of K per pass of every 32-row block of activations over one packed 32-column "
+         "weight block, the block's K range staying in L1 for the pass (2 KiB per 64 bytes) while the "
+         "partial sums wait in memory between passes (0: all of K in one pass, the sums kept in tiles). "
+         "Measured on an AMX VM (Xeon, family 6 model 167 as KVM reports it), [11264, 2048] at 512 tokens: "
+         "0 / 512 / 1024 within 5 % of each other, INT8 and BF16", choices=(0, 256, 512, 1024, 2048, 4096)),
     Knob("cpu_int8_isa", str, "auto", "kernels/cpu",
          "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
          "vpdpbusd (AVX512-VNNI) on activations + 128 (64 products per instruction, exact), avx512: "
@@ -111,11 +117,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "lacks it", choices=("auto", "avx512", "avx512bf16")),
     Knob("cpu_bf16_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with BF16 weights on the GEMM path (from "
-         "cpu_gemm_min_tokens rows): our weight unpack + float32 BLAS, or AMX tiles (unpack); torch's "
+         "cpu_gemm_min_tokens rows): our weight unpack + float32 BLAS (unpack); torch's "
          "bf16 linear, i.e. oneDNN, on activations rounded to bf16 with a bf16 output (onednn); our tile "
-         "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); "
-         "auto, for activations that are bf16 already: onednn where the CPU has AMX, avx512bf16 where it has "
-         "AVX512-BF16, else unpack (float32 activations: unpack)", choices=("auto", "unpack", "onednn", "avx512bf16")),
+         "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); our "
+         "GEMM on AMX tiles (TDPBF16PS), activations rounded to bf16, from cpu_amx_min_tokens rows (amx; needs "
+         "AMX, else unpack); auto, for activations that are bf16 already: onednn where the CPU has AMX or "
+         "AVX512-BF16, else unpack (float32 activations: unpack)",
+         choices=("auto", "unpack", "onednn", "avx512bf16", "amx")),
     Knob("cpu_fp8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with FP8 weights on the GEMM path (from cpu_gemm_min_tokens "
          "rows): weight unpack to float32 + BLAS (unpack), or the weight dequantized to bf16 (each value × its "
@@ -126,11 +134,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          choices=("auto", "unpack", "onednn", "avx512bf16")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
-         "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS, or AMX tiles where present (unpack), "
-         "or our tile GEMM on vpdpbusd (vnni; exact integer sums; needs AVX512-VNNI, else unpack), or on "
-         "AVX2's vpmaddubsw with the sign trick (maddubs; exact; runs on every CPU the kernels run on). auto: "
-         "vnni where the CPU has AVX512-VNNI and no AMX (1.9-3.0x unpack at 512 tokens where measured), "
-         "maddubs in the AVX2 build of the kernels, else unpack", choices=("auto", "unpack", "vnni", "maddubs")),
+         "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS (unpack), our tile GEMM on vpdpbusd "
+         "(vnni; exact integer sums; needs AVX512-VNNI, else unpack), on AVX2's vpmaddubsw with the sign trick "
+         "(maddubs; exact; runs on every CPU the kernels run on), or on AMX tiles (amx: TDPBSSD, exact, from "
+         "cpu_amx_min_tokens rows; needs AMX, else unpack), each from the quantized integers. auto: amx where "
+         "the CPU has AMX (from cpu_amx_min_tokens rows), vnni where it has AVX512-VNNI (1.9-3.0x unpack at 512 "
+         "tokens where measured), maddubs in the AVX2 build of the kernels, else unpack",
+         choices=("auto", "unpack", "vnni", "maddubs", "amx")),
     Knob("cpu_int4_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT4 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack to float32 + BLAS on float activations (unpack), or our "
@@ -195,20 +205,24 @@ PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # outside the mask)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
-                "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
+                "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
-                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
+                "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None, "amx": "amx"},
                 "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
-# the features whose instructions have a C++ model in the kernels (their variants are tested everywhere)
-MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16")
+# the features whose instructions have a C++ model in the kernels (their variants are tested everywhere);
+# "amx": AMX-TILE with AMX-INT8 and AMX-BF16 (/proc/cpuinfo's amx_tile, amx_int8, amx_bf16)
+MODELLED_FEATURES = ("avx512_vnni", "avx512_bf16", "amx")
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 
 
 def variants_for(flags, build: str | None = "avx512") -> dict[str, dict[str, str]]:
     """Per ISA knob, each variant → "native" (the CPU flags have its feature, and the kernels' build runs
     AVX-512) or "model" (only the C++ model of its instructions runs here: tests). The AVX2 build runs
-    every featured variant on its model."""
+    every featured variant on its model. (Linux must also grant AMX's tile state; kernels.cpu's
+    isa_variants() asks the kernels.)"""
+    flags = set(flags) | ({"amx"} if all(f in flags for f in AMX_FLAGS) else set())
     return {knob: {v: "native" if need is None or (need in flags and build == "avx512") else "model"
                    for v, need in variants.items()} for knob, variants in ISA_VARIANTS.items()}
 # read by the attention kernels (the others by linear / fused MoE)

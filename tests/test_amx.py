@@ -3,13 +3,20 @@
 The kernel is instantiated twice: on the AMX tile instructions, which run only where the CPU reports
 AMX and Linux grants the tile state (skipped elsewhere, with that reason), and on a C++ model of the
 same tile registers and instructions, run everywhere, which checks the packing of weights into B
-tiles, the 2 × 2 tile blocking and every zero-padded tail (M, N, K not multiples of the tiles).
+tiles, the 2 × 2 tile blocking, the K passes (cpu_amx_k_block) and every zero-padded tail (M, N, K
+not multiples of the tiles).
 
 Bounds, against float64 math on the same inputs: INT8 (TDPBSSD, exact int32 sums) equal; BF16
 (TDPBF16PS, bf16 inputs, float32 accumulation) ‖Δ‖/‖ref‖ ≤ 2e-6 (measured ≤ 4.2e-7 at K = 2048).
-Through linear / fused_moe, BF16 weights take AMX on bf16 activations only (1e-2, the bf16 bound of
-tests/test_kernels_cpu.py); float32 activations keep the float32 path (2e-5).
+Through linear / fused_moe, AMX is the `amx` variant of cpu_int8_gemm (also auto's choice) and of
+cpu_bf16_gemm (by name only): INT8 from the quantized integers equals the VNNI GEMM bitwise (both exact
+sums, scaled in the same write-back); BF16 within 1e-2 (the bf16 bound of tests/test_kernels_cpu.py);
+float32 activations under auto keep the float32 path (2e-5).
 """
+import contextlib
+
+import itertools
+
 import pytest
 import torch
 
@@ -29,9 +36,9 @@ SHAPES = {  # name → (M, N, K)
 HW = cpu.amx_status()
 
 
-def run(x, w, emulate):
+def run(x, w, emulate, k_block=0):
     fmt = cpu.FORMAT_IDS["int8" if w.dtype == torch.int8 else "bf16"]
-    return cpu._ext.amx_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], emulate)
+    return cpu._ext.amx_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], emulate, k_block)
 
 
 def inputs(m, n, k, seed):
@@ -46,11 +53,12 @@ def inputs(m, n, k, seed):
 def check_gemm(emulate, m, n, k, seed):
     xb, wb, xi, wi = inputs(m, n, k, seed)
     ref = xb.double() @ wb.double().T
-    got = run(xb, wb, emulate)
-    assert got.shape == (m, n) and got.dtype == torch.float32
-    assert ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= BF16_BOUND
     refi = xi.double() @ wi.double().T  # |sums| < 2^24 at these K: exact in float32 too
-    assert torch.equal(run(xi, wi, emulate).double(), refi)
+    for k_block in (0, 64, 128):  # K in one pass, or in passes of one and two K tiles (sums kept between)
+        got = run(xb, wb, emulate, k_block)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= BF16_BOUND, k_block
+        assert torch.equal(run(xi, wi, emulate, k_block).double(), refi), k_block
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -64,49 +72,82 @@ def test_amx_tiles_match_exact_math(shape):
     check_gemm(False, *SHAPES[shape], seed=len(shape))
 
 
-@pytest.mark.skipif(bool(HW), reason=f"AMX hardware path: {HW}")
+def amx_here(native):
+    """(context, the call record's name) for AMX natively (skipped without it) or on its model."""
+    if native and HW:
+        pytest.skip(f"AMX hardware path: {HW}")
+    return (contextlib.nullcontext(), "amx") if native else (cpu.emulate(["amx"]), "amx-model")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_linear_and_moe_take_amx_above_the_threshold(fmt):
-    """Seen in the call record: AMX from cpu_amx_min_tokens rows on, not below. BF16 weights take it
-    on bf16 activations only (cpu_bf16_gemm=unpack, else oneDNN comes first); float32 activations
-    keep their float32 path (never rounded to bf16 by the hardware's presence): the tight bound."""
+def test_linear_and_moe_take_amx_by_name_from_the_threshold(fmt, native):
+    """Seen in the call record: the amx variant from cpu_amx_min_tokens rows on, not below, through
+    linear and fused MoE, on bf16 and float32 activations (BF16: rounded to bf16 by name), in one pass
+    over K or in passes."""
+    ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(4)
     wt = torch.randn(300, 1000, generator=g) * 0.05
     w = formats.DenseWeight(wt.to(torch.bfloat16)) if fmt == "bf16" else formats.quantize_int8_channel(wt)
     x32 = torch.randn(40, 1000, generator=g)
-    x = x32.to(torch.bfloat16) if fmt == "bf16" else x32
-    tol = 1e-2 if fmt == "bf16" else 2e-5
-    base = {"cpu_bf16_gemm": "unpack", "cpu_int8_gemm": "unpack"}
-    ref = reference.linear(x.float(), w)
-    for amx_min in (1, 4096):
+    named = {"cpu_bf16_gemm": "amx", "cpu_int8_gemm": "amx", "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1}
+    with ctx:
+        for x, amx_min, k_block in ((x32.bfloat16(), 1, 0), (x32.bfloat16(), 4096, 0), (x32, 1, 128), (x32, 1, 0)):
+            ref = reference.linear(x.float(), w)
+            with cpu.recording() as rec:
+                got = cpu.linear(x, w, knobs={**named, "cpu_amx_min_tokens": amx_min, "cpu_amx_k_block": k_block})
+            assert (tag in rec[-1]["isa"].split("+")) == (amx_min == 1), rec[-1]["isa"]
+            assert got.dtype == x.dtype
+            tol = 2e-5 if fmt == "int8" and x.dtype == torch.float32 else 1e-2  # a bf16 output, or bf16 products
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= tol
+        # fused MoE: 40 tokens on 2 of 3 experts (each ≥ 32 rows: the GEMM path, on AMX with amx_min 32)
+        w13 = torch.randn(3, 200, 1000, generator=g) * 0.05
+        w2 = torch.randn(3, 1000, 100, generator=g) * 0.05
+        mk = (lambda t: formats.DenseWeight(t.to(torch.bfloat16))) if fmt == "bf16" else formats.quantize_int8_channel
+        w13, w2 = mk(w13), mk(w2)
+        ids = torch.tensor([[0, 2]] * 40)
+        tw = torch.rand(40, 2, generator=g) + 0.1
+        x = x32.bfloat16() if fmt == "bf16" else x32
+        ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
         with cpu.recording() as rec:
-            got = cpu.linear(x, w, knobs={**base, "cpu_amx_min_tokens": amx_min, "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1})
-        assert ("amx" in rec[-1]["isa"].split("+")) == (amx_min == 1), rec[-1]["isa"]
-        assert ((got.float() - ref).norm() / ref.norm()).item() <= tol
-    # a dot-product tile GEMM asked for by name runs instead of AMX (every AMX CPU has VNNI and BF16)
-    named = {"cpu_bf16_gemm": "avx512bf16"} if fmt == "bf16" else {"cpu_int8_gemm": "vnni"}
-    with cpu.recording() as rec:
-        got = cpu.linear(x, w, knobs={**named, "cpu_amx_min_tokens": 1, "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1})
-    assert "amx" not in rec[-1]["isa"].split("+"), rec[-1]["isa"]
-    assert ((got.float() - ref).norm() / ref.norm()).item() <= tol
-    if fmt == "bf16":
+            got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**named, "cpu_amx_min_tokens": 32})
+        assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
+        assert ((got.float() - ref).norm() / ref.norm()).item() <= (2e-2 if fmt == "bf16" else 2e-5)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+def test_int8_amx_equals_the_vnni_gemm_bitwise_and_auto_takes_it(native):
+    """INT8 on AMX (signed × signed, no compensation) and on vpdpbusd (A + 128, minus 128·Σw) give the same
+    exact integer sums, scaled in the same write-back: bitwise equal outputs, float32 and bf16, in linear
+    and fused MoE. auto takes AMX from cpu_amx_min_tokens rows where AMX runs, VNNI's GEMM below that."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(7)
+    w = formats.quantize_int8_channel(torch.randn(70, 130, generator=g) * 0.05)
+    base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16}
+    with ctx:
+        for t, dtype in itertools.product((1, 15, 16, 33, 100), (torch.float32, torch.bfloat16)):
+            x = torch.randn(t, 130, generator=g).to(dtype)
+            want = cpu.linear(x, w, knobs={**base, "cpu_int8_gemm": "vnni"})
+            for k_block in (0, 64):
+                with cpu.recording() as rec:
+                    got = cpu.linear(x, w, knobs={**base, "cpu_int8_gemm": "amx", "cpu_amx_k_block": k_block})
+                assert torch.equal(got, want), (t, dtype, k_block)
+                assert (rec[-1]["isa"] == tag) == (t >= 16), rec[-1]["isa"]
+            with cpu.recording() as rec:
+                got = cpu.linear(x, w, knobs={**base, "cpu_int8_gemm": "auto"})
+            assert torch.equal(got, want)
+            vnni = "vnni" if "avx512_vnni" in cpu.features() else "vnni-model"
+            assert rec[-1]["isa"] == (tag if t >= 16 else vnni) or "avx512_vnni" not in cpu.features(), rec[-1]["isa"]
+        w13 = formats.quantize_int8_channel(torch.randn(4, 96, 130, generator=g) * 0.05)
+        w2 = formats.quantize_int8_channel(torch.randn(4, 130, 48, generator=g) * 0.05)
+        x = torch.randn(50, 130, generator=g)
+        ids = torch.randint(0, 4, (50, 2), generator=g)
+        ids[:, 1] = (ids[:, 0] + 1) % 4
+        tw = torch.rand(50, 2, generator=g)
+        want = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
         with cpu.recording() as rec:
-            got = cpu.linear(x32, w, knobs={**base, "cpu_amx_min_tokens": 1})
-        assert "amx" not in rec[-1]["isa"].split("+"), rec[-1]["isa"]
-        ref32 = reference.linear(x32, w)
-        assert ((got - ref32).norm() / ref32.norm()).item() <= 2e-5
-    # fused MoE: 40 tokens on 2 of 3 experts (each ≥ 32 rows: the GEMM path, on AMX with amx_min 32)
-    w13 = torch.randn(3, 200, 1000, generator=g) * 0.05
-    w2 = torch.randn(3, 1000, 100, generator=g) * 0.05
-    mk = (lambda t: formats.DenseWeight(t.to(torch.bfloat16))) if fmt == "bf16" else formats.quantize_int8_channel
-    w13, w2 = mk(w13), mk(w2)
-    ids = torch.tensor([[0, 2]] * 40)
-    tw = torch.rand(40, 2, generator=g) + 0.1
-    ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
-    with cpu.recording() as rec:
-        got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_amx_min_tokens": 32})
-    assert "amx" in rec[-1]["isa"].split("+"), rec[-1]["isa"]
-    assert ((got.float() - ref).norm() / ref.norm()).item() <= (2e-2 if fmt == "bf16" else 2e-5)
+            got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_int8_gemm": "amx"})
+        assert tag in rec[-1]["isa"].split("+") and torch.equal(got, want)
 
 
 def test_status_names_the_reason_and_the_hardware_path_refuses_without_it():

@@ -192,8 +192,8 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
             for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
                 x = torch.randn(40, 256, generator=g).to(dtype)
-                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs"),
-                                                              ("auto", "unpack", "onednn", "avx512bf16")):
+                for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs", "amx"),
+                                                              ("auto", "unpack", "onednn", "avx512bf16", "amx")):
                     with cpu.recording() as rec:
                         cpu.linear(x, weights[fmt], knobs={"cpu_int8_gemm": int8_gemm, "cpu_bf16_gemm": bf16_gemm,
                                                            "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_amx_min_tokens": 1})
@@ -201,6 +201,8 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
                     if fmt == "int8" and int8_gemm == "maddubs":  # named: runs on any CPU, even beside AMX
                         assert used == {"maddubs"}, (mask, used)
+                    amx_named = (fmt == "int8" and int8_gemm in ("amx", "auto")) or (fmt == "bf16" and bf16_gemm == "amx")
+                    assert ("amx" in used) == (amx_named and "amx" in mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
                     if fmt == "int8" and int8_gemm == "auto" and not mask & HAS & {"avx512_vnni", "amx"}:
                         assert used == {AUTO_INT_GEMM}, (mask, used)
             for int4_gemm in ("auto", "unpack", "vnni", "maddubs"):  # INT4's GEMM path
@@ -243,7 +245,7 @@ def test_auto_and_requested_variants_resolve_to_the_best_present():
     assert run_linear(x.bfloat16(), wb, {"cpu_bf16_isa": "auto"})[1] == ("avx512bf16" if bf16 else "avx512")
     assert run_linear(x, wb, {"cpu_bf16_isa": "avx512bf16"})[1] == ("avx512bf16" if bf16 else "avx512")
     with pytest.raises(ValueError, match="no C\\+\\+ model"):
-        with cpu.emulate(["amx"]):
+        with cpu.emulate(["avx512_fp16"]):
             pass
 
 

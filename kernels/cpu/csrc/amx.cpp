@@ -329,59 +329,6 @@ inline void write_back(const int32_t* c, int64_t c_row, int64_t c_half, int64_t 
     }
 }
 
-// Per parallel task one 32-column block of W, packed once (pack_b), then every row block of A.
-// AMX (or its model): 32 rows at a time, a 2 × 2 block of tiles.
-template <class T, bool Int8>
-void gemm_tiles(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes,
-                float* out, int64_t M, const int32_t* comp) {
-  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64;
-#pragma omp parallel
-  {
-    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
-    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
-    alignas(64) int32_t c[4][16 * 16];
-    const TileConfig cfg = full_tiles();
-    T::config(&cfg);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-      pack_b(W, nb * 32, data_bytes, kbytes, b);
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        T::template zero<0>();
-        T::template zero<1>();
-        T::template zero<2>();
-        T::template zero<3>();
-        const uint8_t* a0 = a + m0 * kbytes;
-        const uint8_t* a1 = a0 + 16 * kbytes;
-        for (int64_t kt = 0; kt < ktiles; ++kt) {
-          T::template load<4>(a0 + 64 * kt, kbytes);
-          T::template load<5>(a1 + 64 * kt, kbytes);
-          T::template load<6>(b + (kt * 2) * 1024, 64);
-          T::template load<7>(b + (kt * 2 + 1) * 1024, 64);
-          if constexpr (Int8) {
-            T::template dp_int8<0, 4, 6>();
-            T::template dp_int8<1, 4, 7>();
-            T::template dp_int8<2, 5, 6>();
-            T::template dp_int8<3, 5, 7>();
-          } else {
-            T::template dp_bf16<0, 4, 6>();
-            T::template dp_bf16<1, 4, 7>();
-            T::template dp_bf16<2, 5, 6>();
-            T::template dp_bf16<3, 5, 7>();
-          }
-        }
-        T::template store<0>(c[0], 64);
-        T::template store<1>(c[1], 64);
-        T::template store<2>(c[2], 64);
-        T::template store<3>(c[3], 64);
-        // tile q holds rows m0 + 16·(q / 2) + i, columns nb·32 + 16·(q % 2) + j at c[q][16i + j]
-        write_back<Int8>(c[0], 16, 256, 16, m0, nb * 32, M, N, comp, out);
-        write_back<Int8>(c[2], 16, 256, 16, m0 + 16, nb * 32, M, N, comp, out);
-      }
-    }
-    T::release();
-  }
-}
-
 // Rows [m0, m0 + rows) × columns [n0, n0 + 32) of INT8 int32 sums c ([rows][32]) into out [M, N] as the
 // real products float(sum − 128·comp[n]) · xs[m] · ws[n] (comp: nullptr on signed A, else A + 128 as
 // write_back), the order of the unpack path's out.mul_(xs).mul_(ws); stored as float32, or (Bf16Out)
@@ -420,6 +367,7 @@ inline void write_back_scaled(const int32_t* c, int64_t rows, int64_t m0, int64_
 
 // Where a tile GEMM's int32 sums go: the raw path (sums as float32, comp applied: write_back), or the
 // real INT8 products scaled per row and column (xs set: write_back_scaled), in float32 or bfloat16.
+// BF16 weights: the float32 sums (c as float bits), stored as float32 or rounded to bfloat16 (bf16).
 struct SumsOut {
   void* out;
   const int32_t* comp = nullptr;
@@ -431,7 +379,104 @@ struct SumsOut {
     else if (bf16) write_back_scaled<true>(c, rows, m0, n0, M, N, comp, xs, ws, out);
     else write_back_scaled<false>(c, rows, m0, n0, M, N, comp, xs, ws, out);
   }
+  void put_f32(const int32_t* c, int64_t rows, int64_t m0, int64_t n0, int64_t M, int64_t N) const {
+    if (!bf16) return write_back<false>(c, 32, 16, rows, m0, n0, M, N, nullptr, static_cast<float*>(out));
+    for (int64_t i = 0; i < rows && m0 + i < M; ++i)
+      for (int64_t n = n0; n < std::min(N, n0 + 32); n += 16)
+        to_bf16(reinterpret_cast<const float*>(c + i * 32 + (n - n0)), std::min<int64_t>(16, N - n),
+                static_cast<uint16_t*>(out) + (m0 + i) * N + n);
+  }
 };
+
+// One 32 × 32 block of C over K tiles [k0, k1) on the 2 × 2 tiles: A tiles at a0 / a1 + kt·1 KiB (rows
+// 0-15 / 16-31), B tiles at b + kt·2 KiB (columns 0-15, then 16-31); the sums start at zero (k0 = 0) or
+// from c, and end in c (row i at c + 32i). A function of its own with AMX's target, so that the tile
+// instructions inline into the loop (on the model, T's plain C++ does; no AMX instruction is emitted).
+template <class T, bool Int8>
+MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* b, int64_t k0, int64_t k1, int32_t* c) {
+  if (k0 == 0) {
+    T::template zero<0>();
+    T::template zero<1>();
+    T::template zero<2>();
+    T::template zero<3>();
+  } else {
+    T::template load<0>(c, 128);
+    T::template load<1>(c + 16, 128);
+    T::template load<2>(c + 512, 128);
+    T::template load<3>(c + 528, 128);
+  }
+  for (int64_t kt = k0; kt < k1; ++kt) {
+    T::template load<4>(a0 + kt * 1024, 64);
+    T::template load<5>(a1 + kt * 1024, 64);
+    T::template load<6>(b + (kt * 2) * 1024, 64);
+    T::template load<7>(b + (kt * 2 + 1) * 1024, 64);
+    if constexpr (Int8) {
+      T::template dp_int8<0, 4, 6>();
+      T::template dp_int8<1, 4, 7>();
+      T::template dp_int8<2, 5, 6>();
+      T::template dp_int8<3, 5, 7>();
+    } else {
+      T::template dp_bf16<0, 4, 6>();
+      T::template dp_bf16<1, 4, 7>();
+      T::template dp_bf16<2, 5, 6>();
+      T::template dp_bf16<3, 5, 7>();
+    }
+  }
+  // tile (r, h): rows 16r .. 16r + 15, columns 16h .. 16h + 15 of the block
+  T::template store<0>(c, 128);
+  T::template store<1>(c + 16, 128);
+  T::template store<2>(c + 512, 128);
+  T::template store<3>(c + 528, 128);
+}
+
+// Per parallel task one 32-column block of W, packed once (pack_b), then every 32-row block of A on a
+// 2 × 2 block of tiles (AMX, or its model). K goes in passes of k_block bytes (0: all of K in one): each
+// pass takes every row block over the same packed K range, which then stays in L1 (2 KiB per 64 bytes of
+// K) while A streams from L2; the sums wait in c between passes (four tile stores and loads per row block
+// and pass). c holds a 32 × 32 block as the write-backs read it (row i at c + 32i, int32 or float bits).
+template <class T, bool Int8>
+void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+                int64_t M, int64_t k_block) {
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, mblocks = (M + 31) / 32;
+  const int64_t kstep = k_block > 0 ? std::max<int64_t>(1, k_block / 64) : ktiles;
+  const bool passes = kstep < ktiles;
+  // A (rows of kbytes, M padded to 32) in tile order: the tile of rows 16r .. 16r + 15 and K tile kt, 16
+  // rows of 64 bytes, at a + (r·ktiles + kt)·1024, so each tile load reads 1 KiB in one piece and a row
+  // block's tiles follow each other (rows kbytes apart put a tile's 16 lines in a few cache sets)
+  at::Tensor tiled = at::empty({mblocks * 2 * ktiles * 1024}, at::kByte);
+  uint8_t* a = tiled.data_ptr<uint8_t>();
+  at::parallel_for(0, mblocks * 2, 1, [&](int64_t s, int64_t e) {
+    for (int64_t r = s; r < e; ++r)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t kt = 0; kt < ktiles; ++kt)
+          std::memcpy(a + (r * ktiles + kt) * 1024 + i * 64, a_rows + (16 * r + i) * kbytes + 64 * kt, 64);
+  });
+#pragma omp parallel
+  {
+    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
+    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    std::vector<int32_t> cbuf((passes ? mblocks : 1) * 1024 + 16);
+    int32_t* cb = cbuf.data() + ((64 - reinterpret_cast<uintptr_t>(cbuf.data()) % 64) % 64) / 4;
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
+        const int64_t k1 = std::min(ktiles, k0 + kstep);
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+          int32_t* c = cb + (passes ? mb * 1024 : 0);
+          const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
+          tile_block<T, Int8>(a0, a0 + ktiles * 1024, b, k0, k1, c);
+          if (k1 < ktiles) continue;
+          if constexpr (Int8) so.put(c, 32, mb * 32, nb * 32, M, N);
+          else so.put_f32(c, 32, mb * 32, nb * 32, M, N);
+        }
+      }
+    }
+    T::release();
+  }
+}
 
 // The dot-product engine (dot_block_*): 8 rows at a time; the models run under MXCSR.DAZ|FTZ.
 template <bool Int8>
@@ -456,7 +501,7 @@ void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W,
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         block(a + m0 * kbytes, kbytes, b, c);
         if constexpr (Int8) so.put(c, 8, m0, nb * 32, M, N);
-        else write_back<false>(c, 32, 16, 8, m0, nb * 32, M, N, nullptr, static_cast<float*>(so.out));
+        else so.put_f32(c, 8, m0, nb * 32, M, N);
       }
     }
     if (model) _mm_setcsr(csr);
@@ -644,22 +689,19 @@ const std::string& amx_unavailable() {
   return reason;
 }
 
-// BF16 weights take AMX only on activations that are bf16 already (TDPBF16PS rounds float32 ones to
-// bf16: a float32 run must not change its numerics by itself on an AMX CPU); INT8 takes it on the
-// quantized integers, exact like every INT8 path.
-bool amx_usable(int fmt, bool act_bf16) {
-  return (fmt == kInt8 || (fmt == kBF16 && act_bf16)) && (usable_features() & kFeatAmx);
-}
-
-// x_act [M, K] float32 (INT8: the quantized integers, exact in float32) · Wᵀ → [M, N] float32 (INT8:
-// the integer sums, the caller applies the scales), on one tile engine: the AMX tiles or their
-// emulation, or the AVX-512 dot-product engine (gemm_dot, on the instructions or their models; INT8
-// needs W.wsum).
-at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine) {
+// x_act [M, K] float32 (INT8: the quantized integers, exact in float32; BF16: rounded to bf16 here) or
+// bfloat16 (BF16 weights: the rows as they are) · Wᵀ → [M, N] float32 (INT8: the integer sums, the caller
+// applies the scales), or bfloat16 (bf16_out, BF16 weights), on one tile engine: the AMX tiles or their
+// emulation (k_block: gemm_tiles' K pass), or the AVX-512 dot-product engine (gemm_dot, on the instructions
+// or their models; INT8 needs W.wsum).
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, int64_t k_block, bool bf16_out) {
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
   TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && dot),
               "tile GEMM: BF16 or INT8 weights (FP8 on the dot-product engine) only");
   TORCH_CHECK(engine != kTilesMaddubs || int8, "tile GEMM: the vpmaddubsw engine takes INT8 weights only");
+  TORCH_CHECK(x_act.scalar_type() == at::kFloat || (x_act.scalar_type() == at::kBFloat16 && !int8),
+              "tile GEMM: float32 activations (bfloat16 for BF16 weights)");
+  TORCH_CHECK(!bf16_out || !int8, "tile GEMM: a bfloat16 output for BF16 weights only");
   if (engine == kTilesAmx) {
     TORCH_CHECK(amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: AMX is masked off (set_feature_mask)");
@@ -676,8 +718,14 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   // INT8 on vpdpbusd: + 128, unsigned)
   at::Tensor abuf = at::zeros({mpad * kbytes}, at::kByte);
   uint8_t* a = abuf.data_ptr<uint8_t>();
-  const float* xs = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
+  if (x.scalar_type() == at::kBFloat16) {  // bf16 rows as they are
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.data_ptr());
+    at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
+      for (int64_t m = s; m < e; ++m) std::memcpy(a + m * kbytes, xb + m * 2 * K, 2 * K);
+    });
+  }
+  const float* xs = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+  if (xs) at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
     const __m512i off = _mm512_set1_epi32(int8 && dot ? 128 : 0), one = _mm512_set1_epi32(1);
     const __m512i bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
     for (int64_t m = s; m < e; ++m)
@@ -698,26 +746,25 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   });
   TORCH_CHECK(!has_m128, "tile GEMM: the vpmaddubsw engine takes INT8 activations in [-127, 127] (symmetric "
               "quantization); a row holds -128");
-  at::Tensor out = at::empty({M, W.N}, at::kFloat);
+  at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
   const int64_t data_bytes = K * esz;
-  float* o = out.data_ptr<float>();
-  const int32_t* comp = dot && int8 ? W.wsum : nullptr;
+  const SumsOut so{out.data_ptr(), dot && int8 ? W.wsum : nullptr, nullptr, nullptr, bf16_out};
   switch (engine) {
     case kTilesAmx:
-      int8 ? gemm_tiles<AmxHw, true>(a, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<AmxHw, false>(a, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_tiles<AmxHw, true>(a, kbytes, W, data_bytes, so, M, k_block)
+           : gemm_tiles<AmxHw, false>(a, kbytes, W, data_bytes, so, M, k_block);
       break;
     case kTilesAmxModel:
-      int8 ? gemm_tiles<AmxEmu, true>(a, kbytes, W, data_bytes, o, M, comp)
-           : gemm_tiles<AmxEmu, false>(a, kbytes, W, data_bytes, o, M, comp);
+      int8 ? gemm_tiles<AmxEmu, true>(a, kbytes, W, data_bytes, so, M, k_block)
+           : gemm_tiles<AmxEmu, false>(a, kbytes, W, data_bytes, so, M, k_block);
       break;
     case kTilesDot:
     case kTilesDotModel:
-      int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, SumsOut{o, comp}, M)
-           : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, SumsOut{o}, M);
+      int8 ? gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, data_bytes, so, M)
+           : gemm_dot<false>(engine == kTilesDotModel, a, kbytes, W, data_bytes, so, M);
       break;
     case kTilesMaddubs:
-      gemm_maddubs(a, kbytes, W, data_bytes, SumsOut{o}, M);
+      gemm_maddubs(a, kbytes, W, data_bytes, so, M);
       break;
     default: TORCH_CHECK(false, "tile GEMM: unknown engine ", engine);
   }
@@ -730,15 +777,17 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // write-back (xs[rows[m]] · W.scale[n]): no float32 copy of the activations, no pass over the output.
 // → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
-                              const WeightView& W, int engine, bool bf16_out) {
+                              const WeightView& W, int engine, int64_t k_block, bool bf16_out) {
   TORCH_CHECK(W.fmt == kInt8 && W.scale, "INT8 GEMM from integers: INT8 weights with scales");
-  const bool dot = engine == kTilesDot || engine == kTilesDotModel;
-  TORCH_CHECK(dot || engine == kTilesMaddubs, "INT8 GEMM from integers: the vpdpbusd or vpmaddubsw engine");
+  const bool dot = engine == kTilesDot || engine == kTilesDotModel, amx = engine == kTilesAmx || engine == kTilesAmxModel;
+  TORCH_CHECK(dot || amx || engine == kTilesMaddubs, "INT8 GEMM from integers: an AMX, vpdpbusd or vpmaddubsw engine");
   TORCH_CHECK(!dot || W.wsum, "INT8 GEMM from integers: vpdpbusd needs the weight's row sums");
   if (engine == kTilesDot)
     TORCH_CHECK(usable_features() & kFeatVnni, "tile GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
-  // both engines take A in blocks of 8 rows (gemm_dot's dot block, kMaddubsMBlock)
-  const int64_t K = W.K, kbytes = ((K + 63) / 64) * 64, mpad = ((M + 7) / 8) * 8;
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  // A in blocks of 8 rows (gemm_dot's dot block, kMaddubsMBlock), or 32 (AMX's 2 × 2 tiles)
+  const int64_t K = W.K, kbytes = ((K + 63) / 64) * 64, mb = amx ? 32 : 8, mpad = ((M + mb - 1) / mb) * mb;
   at::Tensor abuf = at::empty({mpad * kbytes}, at::kByte), sbuf = at::empty({M}, at::kFloat);
   uint8_t* a = abuf.data_ptr<uint8_t>();
   float* s = sbuf.data_ptr<float>();
@@ -763,16 +812,15 @@ at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, co
     }
     if (lo < -127) bad = true;
   });
-  TORCH_CHECK(!bad, "INT8 GEMM from integers: activations in [-127, 127] (symmetric quantization)");
+  TORCH_CHECK(!bad || engine != kTilesMaddubs,
+              "INT8 GEMM from integers: vpmaddubsw takes activations in [-127, 127] (symmetric quantization)");
   at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
   const SumsOut so{out.data_ptr(), dot ? W.wsum : nullptr, s, W.scale, bf16_out};
-  if (dot) gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, K, so, M);
+  if (engine == kTilesAmx) gemm_tiles<AmxHw, true>(a, kbytes, W, K, so, M, k_block);
+  else if (engine == kTilesAmxModel) gemm_tiles<AmxEmu, true>(a, kbytes, W, K, so, M, k_block);
+  else if (dot) gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, K, so, M);
   else gemm_maddubs(a, kbytes, W, K, so, M);
   return out;
-}
-
-at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate) {
-  return gemm_tiles_run(x_act, W, emulate ? kTilesAmxModel : kTilesAmx);
 }
 
 std::string amx_status() { return amx_unavailable(); }
@@ -807,9 +855,10 @@ double amx_peak_gops(int64_t iters, bool int8) {
   return 2.0 * 4 * 16 * 16 * (int8 ? 64 : 32) * (double)iters * threads / dt / 1e9;
 }
 
-// x_act [M, K] float32 · w [N, K]ᵀ (BF16 or INT8, contiguous) on any tile engine (TileEngine); INT8 row sums computed here for the dot-product engine.
+// x_act [M, K] float32 · w [N, K]ᵀ (BF16 or INT8, contiguous) on any tile engine (TileEngine; k_block:
+// AMX's K pass, 0 = whole K); INT8 row sums computed here for the dot-product engine.
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                           int64_t engine) {
+                           int64_t engine, int64_t k_block) {
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
   WeightView W;
@@ -826,13 +875,13 @@ at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tenso
       for (int64_t k = 0; k < K; ++k) sums[n] += p[n * K + k];
     W.wsum = sums.data();
   }
-  return gemm_tiles_run(x_act, W, (int)engine);
+  return gemm_tiles_run(x_act, W, (int)engine, k_block);
 }
 
 // the same on AMX or its emulation (tests/test_amx.py)
 at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                          bool emulate) {
-  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx);
+                          bool emulate, int64_t k_block) {
+  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx, k_block);
 }
 
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on

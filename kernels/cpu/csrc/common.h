@@ -43,14 +43,14 @@ enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2 };
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
 enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
-// cpu_bf16_gemm: BF16 weights on the GEMM path (many tokens): our unpack + BLAS / AMX tiles, or torch's
-// bf16 linear (oneDNN); auto: oneDNN where the CPU has AVX512-BF16 or AMX and the activations are bf16.
-// avx512bf16: our tile GEMM on vdpbf16ps (amx.cpp's DotTiles).
-enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3 };
+// cpu_bf16_gemm: BF16 weights on the GEMM path (many tokens): our unpack + BLAS, or torch's bf16 linear
+// (oneDNN), or our tile GEMM on vdpbf16ps (avx512bf16: amx.cpp's gemm_dot) or on AMX tiles (amx);
+// auto: see isa.cpp (bf16_gemm_choice).
+enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3, kBf16GemmAmx = 4 };
 enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, kFp8GemmDot = 3 };
-// cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS (or AMX), or our tile GEMM on vpdpbusd,
-// or on AVX2's vpmaddubsw (any CPU the kernels run on).
-enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2, kInt8GemmMaddubs = 3 };
+// cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS, or our tile GEMM on vpdpbusd, on
+// AVX2's vpmaddubsw (any CPU the kernels run on), or on AMX tiles (TDPBSSD).
+enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2, kInt8GemmMaddubs = 3, kInt8GemmAmx = 4 };
 // cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd
 // (activations quantized to int8 per (token, group); amx.cpp gemm_int4).
 // cpu_unpack_gemm: the GEMM after unpacking to float32: torch's BLAS, or our FMA register tiles (gemm_fma);
@@ -106,6 +106,7 @@ struct Knobs {
   Int4Method int4_method = (Int4Method)-1;
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
+  int64_t amx_k_block = -1;      // AMX GEMM: bytes of K per pass of every row block over a packed weight block (0: all)
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)

@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model"};
 }  // namespace
 
 unsigned detected_features() {
@@ -38,7 +38,7 @@ unsigned emulated_features() { return g_emulated.load(std::memory_order_relaxed)
 void set_feature_mask(int64_t mask) { g_mask.store((unsigned)mask); }
 int64_t feature_mask() { return g_mask.load(); }
 void set_emulated_features(int64_t mask) {
-  TORCH_CHECK((mask & ~(int64_t)(kFeatVnni | kFeatBf16)) == 0, "only VNNI and AVX512-BF16 have C++ models here");
+  TORCH_CHECK((mask & ~(int64_t)(kFeatVnni | kFeatBf16 | kFeatAmx)) == 0, "only VNNI, AVX512-BF16 and AMX have C++ models here");
   g_emulated.store((unsigned)mask);
 }
 
@@ -69,12 +69,21 @@ bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
   return act_bf16 && (usable_features() & kFeatAmx);
 }
 
+// INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
+// AMX (gemm_dot_engine); BF16: AMX only by name (auto: oneDNN, bf16_gemm_onednn).
+int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
+  const bool want = (W.fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
+                    (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmAmx);
+  if (!want || M < kn.amx_min_tokens) return -1;
+  return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;
+}
+
 int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   const unsigned have = usable_features(), emu = emulated_features();
   unsigned feat = 0;
-  // auto: the VNNI tile GEMM where the CPU has VNNI and no AMX (measured 1.9-3.0x unpack + BLAS at 512
-  // tokens on an Emerald Rapids VM, docs/cpu_kernels.md; AMX, where present, keeps its own path)
-  const bool vnni = kn.int8_gemm == kInt8GemmVnni || (kn.int8_gemm == kInt8GemmAuto && !(have & kFeatAmx));
+  // auto: the VNNI tile GEMM where the CPU has VNNI (measured 1.9-3.0x unpack + BLAS at 512 tokens on an
+  // Emerald Rapids VM, docs/cpu_kernels.md); on an AMX CPU below amx_min_tokens rows (amx_engine first)
+  const bool vnni = kn.int8_gemm == kInt8GemmVnni || kn.int8_gemm == kInt8GemmAuto;
   if (W.fmt == kInt8 && kn.int8_gemm == kInt8GemmMaddubs) return kTilesMaddubs;
   if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;

@@ -94,9 +94,10 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
+                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
                   prefetch_ahead % 64 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
+              "amx_k_block (a multiple of 64, 0: all of K), "
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
@@ -104,7 +105,7 @@ void Knobs::check() const {
                   int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
-                  bf16_gemm <= kBf16GemmDot && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmMaddubs &&
+                  bf16_gemm <= kBf16GemmAmx && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmAmx &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
                   fp8_gemm <= kFp8GemmDot,
               "fp8_method, bf16_method, tile_rows, micro_order, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
@@ -556,13 +557,9 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
   }
-  // a dot-product tile GEMM asked for by name (cpu_bf16_gemm=avx512bf16, cpu_int8_gemm=vnni|maddubs) runs
-  // even where AMX is present: AMX is what "unpack" and "auto" take there
-  const bool named_dot = (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) ||
-                         (W.fmt == kInt8 && (kn.int8_gemm == kInt8GemmVnni || kn.int8_gemm == kInt8GemmMaddubs));
-  if (!named_dot && amx_usable(W.fmt, W.act_bf16) && x_act.size(0) >= kn.amx_min_tokens) {
-    note_used(kUsedAmx);
-    return gemm_amx(x_act, W, false);
+  if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
+    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    return gemm_tiles_run(x_act, W, amx, kn.amx_k_block);
   }
   const int engine = gemm_dot_engine(W, kn);
   if (engine == kTilesMaddubs) {
@@ -598,11 +595,15 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
   return p.xf.narrow(1, 0, K);
 }
 
-int int8_integer_engine(const WeightView& W, const Knobs& kn) {
+int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   if (W.fmt != kInt8) return -1;
-  const int engine = gemm_dot_engine(W, kn);
-  if (engine != kTilesMaddubs && engine != kTilesDot && engine != kTilesDotModel) return -1;
-  note_used(engine == kTilesMaddubs ? kUsedMaddubs : engine == kTilesDot ? kUsedVnni : kUsedVnniModel);
+  const int amx = amx_engine(W, kn, M), engine = amx >= 0 ? amx : gemm_dot_engine(W, kn);
+  if (engine < 0) return -1;
+  note_used(engine == kTilesAmx        ? kUsedAmx
+            : engine == kTilesAmxModel ? kUsedAmxModel
+            : engine == kTilesMaddubs  ? kUsedMaddubs
+            : engine == kTilesDot      ? kUsedVnni
+                                       : kUsedVnniModel);
   return engine;
 }
 
@@ -626,11 +627,16 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
+  if (const int amx = gemm && W.fmt == kBF16 && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
+    // AMX on the caller's bf16 rows, a bf16 output: no float32 copy either way
+    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    return gemm_tiles_run(x.contiguous(), W, amx, kn.amx_k_block, true);
+  }
   PreparedAct p = prepare_act(x, W);
-  const int int8_engine = gemm ? int8_integer_engine(W, kn) : -1;
+  const int int8_engine = gemm ? int8_integer_engine(W, kn, M) : -1;
   if (int8_engine >= 0)  // the integers as they are, scaled in the write-back, in x's dtype
     return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
-                              int8_engine, x.scalar_type() == at::kBFloat16);
+                              int8_engine, kn.amx_k_block, x.scalar_type() == at::kBFloat16);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));

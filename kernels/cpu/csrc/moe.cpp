@@ -94,8 +94,9 @@ void down_tile(const StackedWeight& W2, const Act& H, const Routing& r, const st
 void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok, int64_t n, int64_t D, int64_t I,
                   float* h, const Knobs& kn) {
   at::Tensor g;
-  if (const int engine = int8_integer_engine(W, kn); engine >= 0) {
-    g = gemm_int8_prepared(xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), tok, n, W, engine);
+  if (const int engine = int8_integer_engine(W, kn, n); engine >= 0) {
+    g = gemm_int8_prepared(xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), tok, n, W, engine,
+                           kn.amx_k_block);
   } else {
     g = gemm_unpacked(gather_rows(xa, tok, n, D), W, kn);  // [n, 2I]
     if (W.fmt == kInt8)
@@ -109,9 +110,9 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
                const Knobs& kn) {
   const int64_t n = r.count[e], off = r.offset[e];
   at::Tensor y;
-  if (const int engine = int8_integer_engine(W, kn); engine >= 0) {
+  if (const int engine = int8_integer_engine(W, kn, n); engine >= 0) {
     y = gemm_int8_prepared(ha.xq.data_ptr<int16_t>(), ha.xq.size(1), ha.xs.data_ptr<float>(), r.slot_idx.data() + off, n,
-                           W, engine);
+                           W, engine, kn.amx_k_block);
   } else {
     y = gemm_unpacked(gather_rows(ha, r.slot_idx.data() + off, n, I), W, kn);  // [n, D]
     if (W.fmt == kInt8)

@@ -50,7 +50,7 @@ bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
-                       kUsedMaddubs = 512 };
+                       kUsedMaddubs = 512, kUsedAmxModel = 1024 };
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
@@ -85,22 +85,27 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
 // x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
 
-// AMX (amx.cpp): why the tiles cannot run here ("" when they can); whether a format takes them;
-// the GEMM on them (emulate: the same kernel on a C++ model of the tile instructions).
+// AMX (amx.cpp): why the tiles cannot run here ("" when they can).
 const std::string& amx_unavailable();
-bool amx_usable(int fmt, bool act_bf16);
-at::Tensor gemm_amx(const at::Tensor& x_act, const WeightView& W, bool emulate);
 // The tile GEMM on one engine: AMX, its C++ model, AVX-512 dot-product tiles (VNNI / AVX512-BF16)
 // or their C++ model, or INT8 on AVX2's vpmaddubsw (every CPU the kernels run on; amx.cpp).
 enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3, kTilesMaddubs = 4 };
-at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine);
+// The AMX engine (kTilesAmx, or kTilesAmxModel where AMX is emulated) a weight's GEMM path runs at M rows,
+// or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 weights under cpu_bf16_gemm amx, from
+// amx_min_tokens rows, where the CPU has AMX under the feature mask (isa.cpp).
+int amx_engine(const WeightView& W, const Knobs& kn, int64_t M);
+// x_act [M, K] (float32: INT8's quantized integers, or BF16 weights' activations, rounded to bf16;
+// bfloat16: BF16 weights only) · Wᵀ on a tile engine → [M, N] float32 (INT8: the integer sums), or
+// bfloat16 (bf16_out, BF16 weights). k_block: AMX's K pass in bytes (0: the whole K at once).
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, int64_t k_block = 0,
+                          bool bf16_out = false);
 // INT8 from prepare_act's int16 integers (row stride ld; rows: nullptr, or the rows to gather) on the
-// vpdpbusd engine (kTilesDot / kTilesDotModel) or vpmaddubsw (kTilesMaddubs), the scales applied
-// (xs[row] · W.scale[n]) → [M, N] float32, or bfloat16 with bf16_out (amx.cpp).
-// The engine INT8 weights' GEMM path runs from the integers here (the call record noted), or -1: none.
-int int8_integer_engine(const WeightView& W, const Knobs& kn);
+// AMX engines, the vpdpbusd engine (kTilesDot / kTilesDotModel) or vpmaddubsw (kTilesMaddubs), the scales
+// applied (xs[row] · W.scale[n]) → [M, N] float32, or bfloat16 with bf16_out (amx.cpp).
+// The engine INT8 weights' GEMM path runs from the integers here at M rows (the call record noted), or -1.
+int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M);
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
-                              const WeightView& W, int engine, bool bf16_out = false);
+                              const WeightView& W, int engine, int64_t k_block, bool bf16_out = false);
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
 // engine of gemm_int4; INT8 and INT4 may run kTilesMaddubs, on any CPU).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);
@@ -112,13 +117,13 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
 // dot-product engine here (no float32 unpack: it wins from fewer rows; FP8 excepted, whose blocks are
 // expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
 // (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
-// any path, and the unpack path of the other formats); AMX (under the feature mask too) from
+// any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
 // amx_min_tokens at the latest.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
-  return amx_usable(W.fmt, W.act_bf16) ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
+  return amx_engine(W, kn, INT64_MAX) >= 0 ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
