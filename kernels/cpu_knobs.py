@@ -93,10 +93,18 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU linear / fused MoE: consecutive parallel tasks a thread takes at once (1: fully dynamic; "
          "more: each thread streams longer runs of adjacent weight rows, which its software prefetch "
          "has already fetched)", low=1, high=64, log=True),
-    Knob("cpu_amx_min_tokens", int, 32, "kernels/cpu",
+    Knob("cpu_amx_min_tokens", int, 8, "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert): from this many rows the AMX variant of the GEMM path "
-         "(cpu_int8_gemm amx or auto, cpu_bf16_gemm amx) runs where the CPU has AMX (inert elsewhere)",
+         "(cpu_int8_gemm amx or auto, cpu_bf16_gemm amx, or auto on bf16 activations) runs where the CPU has "
+         "AMX (inert elsewhere). Measured on an AMX VM, [11264, 2048]: AMX (weight rows in place) against "
+         "VNNI's GEMM x1.4 (INT8, 16 tokens) to x2.6 (64), against vdpbf16ps / oneDNN x1.6 (BF16, 16) and x1.5 "
+         "(64); fused MoE at 12-16 tokens per expert x1.2-1.6",
          low=1, high=4096, log=True),
+    Knob("cpu_amx_direct_max_tokens", int, 64, "kernels/cpu",
+         "CPU AMX GEMM: up to this many rows (tokens per expert in fused MoE) the weight rows are read as AMX "
+         "tiles where they lie, each once from memory, and the activations are packed instead (no weight "
+         "packing, which costs a pass over the weight for rows it barely serves); from more rows, 32-row "
+         "weight blocks are packed once and serve every row block (0: always packed)", low=0, high=4096),
     Knob("cpu_amx_k_block", int, 0, "kernels/cpu",
          "CPU AMX GEMM: bytes of K per pass of every 32-row block of activations over one packed 32-column "
          "weight block, the block's K range staying in L1 for the pass (2 KiB per 64 bytes) while the "
@@ -121,8 +129,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "bf16 linear, i.e. oneDNN, on activations rounded to bf16 with a bf16 output (onednn); our tile "
          "GEMM on vdpbf16ps, activations rounded to bf16 (avx512bf16; needs AVX512-BF16, else unpack); our "
          "GEMM on AMX tiles (TDPBF16PS), activations rounded to bf16, from cpu_amx_min_tokens rows (amx; needs "
-         "AMX, else unpack); auto, for activations that are bf16 already: onednn where the CPU has AMX or "
-         "AVX512-BF16, else unpack (float32 activations: unpack)",
+         "AMX, else unpack); auto, for activations that are bf16 already: amx where the CPU has AMX, onednn "
+         "where it has AVX512-BF16, else unpack (float32 activations: unpack)",
          choices=("auto", "unpack", "onednn", "avx512bf16", "amx")),
     Knob("cpu_fp8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with FP8 weights on the GEMM path (from cpu_gemm_min_tokens "

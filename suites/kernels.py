@@ -369,10 +369,13 @@ def bench_extend(shape: AttnShape, t: int, prefix: int, repeats: int, g: torch.G
 
 
 def _peak_key(isa: str, fmt: str, limits: dict) -> str:
-    """The probe's peak of the instruction a case ran (FP32 FMA where the probe has no other)."""
+    """The probe's peak of the instruction a case ran (FP32 FMA where the probe has no other). oneDNN (torch's
+    bf16 linear) picks its own: AMX BF16 where the probe found AMX, else the AVX512-BF16 dot product."""
     used = isa.split("+")
+    onednn = "onednn" in used and (limits.get("amx_bf16_gflops") or limits.get("bf16_dot_gflops"))
     key = ("amx_int8_gops" if fmt == "int8" else "amx_bf16_gflops") if "amx" in used else \
-        "vnni_int8_gops" if "vnni" in used else "bf16_dot_gflops" if "avx512bf16" in used else "fp32_fma_gflops"
+        "vnni_int8_gops" if "vnni" in used else "bf16_dot_gflops" if "avx512bf16" in used else \
+        ("amx_bf16_gflops" if limits.get("amx_bf16_gflops") else "bf16_dot_gflops") if onednn else "fp32_fma_gflops"
     return key if limits.get(key) else "fp32_fma_gflops"
 
 

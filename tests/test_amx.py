@@ -32,13 +32,16 @@ BF16_BOUND = 2e-6
 SHAPES = {  # name → (M, N, K)
     "one": (1, 1, 1), "regular": (64, 256, 512), "odd": (33, 70, 1000), "tails": (5, 17, 40),
     "many_blocks": (100, 97, 130), "long_k": (17, 33, 2048), "k_tail_1": (3, 40, 65),
+    # whole K tiles in every row (the direct path runs): one / two token tiles, N tails, K 64 and 4096
+    "direct_16": (16, 70, 128), "direct_odd": (29, 45, 192), "direct_k64": (40, 32, 64), "direct_long": (9, 33, 4096),
 }
 HW = cpu.amx_status()
 
 
-def run(x, w, emulate, k_block=0):
+def run(x, w, emulate, k_block=0, direct=False):
     fmt = cpu.FORMAT_IDS["int8" if w.dtype == torch.int8 else "bf16"]
-    return cpu._ext.amx_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], emulate, k_block)
+    return cpu._ext.amx_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], emulate,
+                                   k_block, direct)
 
 
 def inputs(m, n, k, seed):
@@ -54,11 +57,13 @@ def check_gemm(emulate, m, n, k, seed):
     xb, wb, xi, wi = inputs(m, n, k, seed)
     ref = xb.double() @ wb.double().T
     refi = xi.double() @ wi.double().T  # |sums| < 2^24 at these K: exact in float32 too
-    for k_block in (0, 64, 128):  # K in one pass, or in passes of one and two K tiles (sums kept between)
-        got = run(xb, wb, emulate, k_block)
+    # K in one pass, or in passes of one and two K tiles (sums kept between); the weight rows in place
+    # (direct: where rows hold whole K tiles, else the packed path runs)
+    for k_block, direct in ((0, False), (64, False), (128, False), (0, True)):
+        got = run(xb, wb, emulate, k_block, direct)
         assert got.shape == (m, n) and got.dtype == torch.float32
         assert ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= BF16_BOUND, k_block
-        assert torch.equal(run(xi, wi, emulate, k_block).double(), refi), k_block
+        assert torch.equal(run(xi, wi, emulate, k_block, direct).double(), refi), (k_block, direct)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -122,11 +127,12 @@ def test_int8_amx_equals_the_vnni_gemm_bitwise_and_auto_takes_it(native):
     and fused MoE. auto takes AMX from cpu_amx_min_tokens rows where AMX runs, VNNI's GEMM below that."""
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(7)
-    w = formats.quantize_int8_channel(torch.randn(70, 130, generator=g) * 0.05)
     base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16}
     with ctx:
-        for t, dtype in itertools.product((1, 15, 16, 33, 100), (torch.float32, torch.bfloat16)):
-            x = torch.randn(t, 130, generator=g).to(dtype)
+        # K = 128: whole K tiles, the weight rows in place up to cpu_amx_direct_max_tokens (64), packed above
+        for k, t, dtype in itertools.product((130, 128), (1, 15, 16, 33, 100), (torch.float32, torch.bfloat16)):
+            w = formats.quantize_int8_channel(torch.randn(70, k, generator=g) * 0.05)
+            x = torch.randn(t, k, generator=g).to(dtype)
             want = cpu.linear(x, w, knobs={**base, "cpu_int8_gemm": "vnni"})
             for k_block in (0, 64):
                 with cpu.recording() as rec:

@@ -201,7 +201,8 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
                     if fmt == "int8" and int8_gemm == "maddubs":  # named: runs on any CPU, even beside AMX
                         assert used == {"maddubs"}, (mask, used)
-                    amx_named = (fmt == "int8" and int8_gemm in ("amx", "auto")) or (fmt == "bf16" and bf16_gemm == "amx")
+                    amx_named = (fmt == "int8" and int8_gemm in ("amx", "auto")) or (fmt == "bf16" and (
+                        bf16_gemm == "amx" or (bf16_gemm == "auto" and dtype == torch.bfloat16)))
                     assert ("amx" in used) == (amx_named and "amx" in mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
                     if fmt == "int8" and int8_gemm == "auto" and not mask & HAS & {"avx512_vnni", "amx"}:
                         assert used == {AUTO_INT_GEMM}, (mask, used)
@@ -540,9 +541,12 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w.w))
     check(forced, reference.linear(x, w), BF16_LINEAR, f"onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
-    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else UNPACK
+    auto = "onednn" if {"avx512_bf16", "amx"} & HAS else UNPACK  # AMX off here (MICRO: cpu_amx_min_tokens 4096)
     gemm = {"cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32, "cpu_bf16_gemm_min_tokens": 32}
     assert run_linear(x.bfloat16(), w, gemm)[1] == auto
+    amx = {**gemm, "cpu_amx_min_tokens": 32}  # auto takes AMX first where it runs, bf16 activations only
+    assert run_linear(x.bfloat16(), w, amx)[1] == ("amx" if "amx" in HAS else auto)
+    assert run_linear(x, w, amx)[1] == UNPACK
     assert run_linear(x, w, gemm)[1] == UNPACK  # float32 activations: not rounded by auto
     with cpu.feature_mask(set()):
         assert run_linear(x.bfloat16(), w, gemm)[1] == UNPACK
@@ -874,6 +878,15 @@ def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_prese
     line = probe.variants_line(r["isa_variants"])
     assert line.startswith("cpu_int8_isa avx512") and "cpu_bf16_gemm unpack, onednn" in line
     assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
+
+
+def test_probe_buffer_outgrows_the_last_level_cache():
+    """The read buffer is at least 512 MiB and twice the largest cache (a 480 MiB L3 seen on an AMX VM)."""
+    from tuner.probe import read_buffer_bytes
+
+    assert read_buffer_bytes("L1d:48K,L1i:64K,L2:2048K,L3:491520K") == 960 << 20
+    assert read_buffer_bytes("L1d:32K,L2:1024K,L3:33792K") == 512 << 20
+    assert read_buffer_bytes("") == 512 << 20
 
 
 def test_fingerprint_lists_the_variants_native_and_model_only():

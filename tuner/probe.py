@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,8 +33,8 @@ import torch
 from engine.fingerprint import fingerprint
 from engine.weights.presets import cache_root
 
-BUFFER_BYTES = 512 << 20
-VERSION = 2  # 2: several read methods (best kept), the dot-product peaks, the ISA variants
+BUFFER_BYTES = 512 << 20  # at least; twice the last-level cache where that is larger (read_buffer_bytes)
+VERSION = 3  # 2: several read methods (best kept), the dot-product peaks, the ISA variants; 3: 2 × LLC at least
 # (streams per thread, cache lines per step, prefetch bytes ahead, non-temporal loads)
 READ_METHODS = [m for m in itertools.product((1, 2, 4, 8), (1, 4), (0, 1024), (False, True))]
 
@@ -62,12 +63,25 @@ def _peak(fn, *args):
     return max(fn(*args) for _ in range(3))
 
 
-def measure(repeats: int = 7, buffer_bytes: int = BUFFER_BYTES, iters: int = 20_000_000) -> dict:
+def read_buffer_bytes(caches: str | None = None) -> int:
+    """The probe's read buffer: BUFFER_BYTES, or twice the largest cache where that is larger (a 480 MiB L3
+    was seen on an AMX VM: a 512 MiB buffer would be read partly from it), at most a quarter of the memory.
+    `caches` as the fingerprint's ("L1d:48K,...,L3:491520K")."""
+    caches = fingerprint()["caches"] if caches is None else caches
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = max((int(size[:-1]) * units[size[-1]] for size in (c.split(":")[1] for c in caches.split(",") if ":" in c)
+                   if size[:-1].isdigit() and size[-1] in units), default=0)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(max(BUFFER_BYTES, 2 * largest), max(BUFFER_BYTES, mem // 4)))
+
+
+def measure(repeats: int = 7, buffer_bytes: int | None = None, iters: int = 20_000_000) -> dict:
     """Run the probe now (≈10 s; `buffer_bytes` and `iters` smaller only in tests). Raises
     ImportError where the cpu kernels cannot run."""
     import kernels.cpu as cpu
 
     ext = cpu.extension()
+    buffer_bytes = read_buffer_bytes() if buffer_bytes is None else buffer_bytes
     buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)  # touched: pages are really there
     ext.read_seconds(buf)  # warm-up
     screened = read_methods(ext, buf, 3)

@@ -17,9 +17,10 @@ it once per layer shape and token bucket: the call then converts nothing).
 
 `with recording() as rec:` makes each call append what it used (op, format, tokens, knobs by name,
 the instruction variants run). ISA variants (cpu_int8_isa: vpdpbusd; cpu_bf16_isa and cpu_attn_isa:
-vdpbf16ps, in the weight microkernels and in attention's QK / PV products) are
-resolved at the call against cpuid under a feature mask (`feature_mask(...)`); `emulate(...)` runs
-them on C++ models of the instructions (tests), `isa_variants()` says which run here.
+vdpbf16ps, in the weight microkernels and in attention's QK / PV products; cpu_int8_gemm /
+cpu_bf16_gemm = amx: AMX tiles on the GEMM path) are resolved at the call against cpuid under a
+feature mask (`feature_mask(...)`); `emulate(...)` runs them on C++ models of the instructions
+(tests), `isa_variants()` says which run here.
 """
 from __future__ import annotations
 
@@ -346,8 +347,8 @@ def _orig(weight):
 
 
 def amx_status() -> str:
-    """Why the AMX tiles cannot run on this machine ("" when they can: then BF16 / INT8 GEMMs of at
-    least cpu_amx_min_tokens rows use them)."""
+    """Why the AMX tiles cannot run on this machine ("" when they can: then the amx variants of
+    cpu_int8_gemm (auto's choice too) and cpu_bf16_gemm run from cpu_amx_min_tokens rows)."""
     return _ext.amx_status()
 
 

@@ -478,6 +478,115 @@ void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int6
   }
 }
 
+// The AMX GEMM with the weights as the A operand, read where they lie (no packing): a tile is 16 weight rows
+// × 64 bytes of K at the row stride, and the activations are the B operand, packed once per call (per 16
+// tokens and K tile, a 16 × 16 transpose of 32-bit units: TDPBSSD's / TDPBF16PS's pairing of B). The sums
+// come out transposed (weight rows × tokens) and are transposed back as they are written. For few rows
+// (an expert's tokens, a short prefill) the weight is read once from memory, as a decode kernel reads it,
+// instead of being packed for rows it will barely serve. Needs whole 64-byte K tiles in the rows.
+inline bool amx_direct_ok(const WeightView& W, int64_t data_bytes) {
+  return W.fmt != kFp8 && W.row_bytes == data_bytes && data_bytes % 64 == 0;
+}
+
+// One block of 32 weight rows (A tiles 4 / 5: rows 0-15 / 16-31 at w, stride ld) × up to 32 tokens (B tiles
+// 6 / 7 at bt and bt + ktiles KiB; `two`: the second token tile is used) over all of K, each weight row
+// prefetched pf bytes ahead (0: none); the 4 sum tiles stored in s (tile q at s + 256q, 16 × 16).
+template <class T, bool Int8>
+MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf,
+                              int32_t* s) {
+  T::template zero<0>();
+  T::template zero<1>();
+  T::template zero<2>();
+  T::template zero<3>();
+  const uint8_t* bt1 = bt + ktiles * 1024;
+  for (int64_t kt = 0; kt < ktiles; ++kt) {
+    if (pf > 0 && 64 * kt + pf < ld)
+      for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(w + r * ld + 64 * kt + pf), _MM_HINT_T0);
+    T::template load<4>(w + 64 * kt, ld);
+    T::template load<5>(w + 16 * ld + 64 * kt, ld);
+    T::template load<6>(bt + kt * 1024, 64);
+    if (two) T::template load<7>(bt1 + kt * 1024, 64);
+    if constexpr (Int8) {
+      T::template dp_int8<0, 4, 6>();
+      T::template dp_int8<2, 5, 6>();
+      if (two) {
+        T::template dp_int8<1, 4, 7>();
+        T::template dp_int8<3, 5, 7>();
+      }
+    } else {
+      T::template dp_bf16<0, 4, 6>();
+      T::template dp_bf16<2, 5, 6>();
+      if (two) {
+        T::template dp_bf16<1, 4, 7>();
+        T::template dp_bf16<3, 5, 7>();
+      }
+    }
+  }
+  T::template store<0>(s, 64);
+  T::template store<1>(s + 256, 64);
+  T::template store<2>(s + 512, 64);
+  T::template store<3>(s + 768, 64);
+}
+
+template <class T, bool Int8>
+void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, const SumsOut& so, int64_t M, int64_t pf) {
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, ttiles = (M + 15) / 16;
+  // B: per token tile tt and K tile kt, at b + (tt·ktiles + kt)·1024 (a_rows has M padded to 32 zero rows)
+  at::Tensor bbuf = at::empty({ttiles * ktiles * 1024 + 64}, at::kByte);
+  uint8_t* b = bbuf.data_ptr<uint8_t>() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data_ptr()) % 64) % 64);
+  at::parallel_for(0, ttiles * ktiles, 16, [&](int64_t s0, int64_t e0) {
+    for (int64_t i = s0; i < e0; ++i) {
+      const int64_t tt = i / ktiles, kt = i % ktiles;
+      const uint8_t* rows[16];
+      for (int r = 0; r < 16; ++r) rows[r] = a_rows + (16 * tt + r) * kbytes;
+      transpose16_u32(rows, 64 * kt, b + i * 1024);
+    }
+  });
+  const int64_t ld = W.row_bytes;
+#pragma omp parallel
+  {
+    alignas(64) int32_t st[4 * 256], tr[256], c[32 * 32];
+    std::vector<uint8_t> tail;  // the last block's rows past N: zeros (the weight's own rows stop at N)
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      const uint8_t* w = W.w + nb * 32 * ld;
+      if (nb * 32 + 32 > N) {
+        tail.assign(32 * ld, 0);
+        std::memcpy(tail.data(), w, (N - nb * 32) * ld);
+        w = tail.data();
+      }
+      for (int64_t tt = 0; tt < ttiles; tt += 2) {
+        const bool two = tt + 1 < ttiles;
+        direct_block<T, Int8>(w, ld, b + tt * ktiles * 1024, ktiles, two, pf, st);
+        // tile (i, j) = weight rows 16i.., tokens 16j..: transposed into c[token][32 weight rows]
+        for (int i = 0; i < 2; ++i)
+          for (int j = 0; j < (two ? 2 : 1); ++j) {
+            const int32_t* q = st + 256 * (2 * i + j);
+            const uint8_t* src[16];
+            for (int r = 0; r < 16; ++r) src[r] = reinterpret_cast<const uint8_t*>(q + 16 * r);
+            transpose16_u32(src, 0, reinterpret_cast<uint8_t*>(tr));
+            for (int t = 0; t < 16; ++t) std::memcpy(c + (16 * j + t) * 32 + 16 * i, tr + 16 * t, 64);
+          }
+        const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - 16 * tt);
+        if constexpr (Int8) so.put(c, rows, 16 * tt, nb * 32, M, N);
+        else so.put_f32(c, rows, 16 * tt, nb * 32, M, N);
+      }
+    }
+    T::release();
+  }
+}
+
+// The AMX GEMM: weight rows in place up to ao.direct_max rows (where the rows hold whole K tiles), else
+// packed weight blocks (gemm_tiles).
+template <class T, bool Int8>
+void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+              int64_t M, const AmxOpts& ao) {
+  if (M <= ao.direct_max && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
+  else gemm_tiles<T, Int8>(a_rows, kbytes, W, data_bytes, so, M, ao.k_block);
+}
+
 // The dot-product engine (dot_block_*): 8 rows at a time; the models run under MXCSR.DAZ|FTZ.
 template <bool Int8>
 void gemm_dot(bool model, const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
@@ -694,7 +803,7 @@ const std::string& amx_unavailable() {
 // applies the scales), or bfloat16 (bf16_out, BF16 weights), on one tile engine: the AMX tiles or their
 // emulation (k_block: gemm_tiles' K pass), or the AVX-512 dot-product engine (gemm_dot, on the instructions
 // or their models; INT8 needs W.wsum).
-at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, int64_t k_block, bool bf16_out) {
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
   TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && dot),
               "tile GEMM: BF16 or INT8 weights (FP8 on the dot-product engine) only");
@@ -751,12 +860,12 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   const SumsOut so{out.data_ptr(), dot && int8 ? W.wsum : nullptr, nullptr, nullptr, bf16_out};
   switch (engine) {
     case kTilesAmx:
-      int8 ? gemm_tiles<AmxHw, true>(a, kbytes, W, data_bytes, so, M, k_block)
-           : gemm_tiles<AmxHw, false>(a, kbytes, W, data_bytes, so, M, k_block);
+      int8 ? gemm_amx<AmxHw, true>(a, kbytes, W, data_bytes, so, M, ao)
+           : gemm_amx<AmxHw, false>(a, kbytes, W, data_bytes, so, M, ao);
       break;
     case kTilesAmxModel:
-      int8 ? gemm_tiles<AmxEmu, true>(a, kbytes, W, data_bytes, so, M, k_block)
-           : gemm_tiles<AmxEmu, false>(a, kbytes, W, data_bytes, so, M, k_block);
+      int8 ? gemm_amx<AmxEmu, true>(a, kbytes, W, data_bytes, so, M, ao)
+           : gemm_amx<AmxEmu, false>(a, kbytes, W, data_bytes, so, M, ao);
       break;
     case kTilesDot:
     case kTilesDotModel:
@@ -777,7 +886,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // write-back (xs[rows[m]] · W.scale[n]): no float32 copy of the activations, no pass over the output.
 // → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
-                              const WeightView& W, int engine, int64_t k_block, bool bf16_out) {
+                              const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
   TORCH_CHECK(W.fmt == kInt8 && W.scale, "INT8 GEMM from integers: INT8 weights with scales");
   const bool dot = engine == kTilesDot || engine == kTilesDotModel, amx = engine == kTilesAmx || engine == kTilesAmxModel;
   TORCH_CHECK(dot || amx || engine == kTilesMaddubs, "INT8 GEMM from integers: an AMX, vpdpbusd or vpmaddubsw engine");
@@ -816,8 +925,8 @@ at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, co
               "INT8 GEMM from integers: vpmaddubsw takes activations in [-127, 127] (symmetric quantization)");
   at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
   const SumsOut so{out.data_ptr(), dot ? W.wsum : nullptr, s, W.scale, bf16_out};
-  if (engine == kTilesAmx) gemm_tiles<AmxHw, true>(a, kbytes, W, K, so, M, k_block);
-  else if (engine == kTilesAmxModel) gemm_tiles<AmxEmu, true>(a, kbytes, W, K, so, M, k_block);
+  if (engine == kTilesAmx) gemm_amx<AmxHw, true>(a, kbytes, W, K, so, M, ao);
+  else if (engine == kTilesAmxModel) gemm_amx<AmxEmu, true>(a, kbytes, W, K, so, M, ao);
   else if (dot) gemm_dot<true>(engine == kTilesDotModel, a, kbytes, W, K, so, M);
   else gemm_maddubs(a, kbytes, W, K, so, M);
   return out;
@@ -856,9 +965,10 @@ double amx_peak_gops(int64_t iters, bool int8) {
 }
 
 // x_act [M, K] float32 · w [N, K]ᵀ (BF16 or INT8, contiguous) on any tile engine (TileEngine; k_block:
-// AMX's K pass, 0 = whole K); INT8 row sums computed here for the dot-product engine.
+// AMX's K pass, 0 = whole K; direct: AMX reads the weight rows in place); INT8 row sums computed here for
+// the dot-product engine.
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                           int64_t engine, int64_t k_block) {
+                           int64_t engine, int64_t k_block, bool direct) {
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
   WeightView W;
@@ -875,13 +985,13 @@ at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tenso
       for (int64_t k = 0; k < K; ++k) sums[n] += p[n * K + k];
     W.wsum = sums.data();
   }
-  return gemm_tiles_run(x_act, W, (int)engine, k_block);
+  return gemm_tiles_run(x_act, W, (int)engine, AmxOpts{k_block, direct ? INT64_MAX : 0, 0});
 }
 
 // the same on AMX or its emulation (tests/test_amx.py)
 at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                          bool emulate, int64_t k_block) {
-  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx, k_block);
+                          bool emulate, int64_t k_block, bool direct) {
+  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx, k_block, direct);
 }
 
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on

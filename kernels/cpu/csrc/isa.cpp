@@ -56,6 +56,8 @@ int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs
   return kDotNone;
 }
 
+// auto, for bf16 activations: oneDNN where the CPU has AVX512-BF16 or AMX, where AMX itself does not run
+// (the callers ask amx_engine first: below amx_min_tokens rows, or AMX masked off)
 bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
   if (kn.bf16_gemm != kBf16GemmAuto) return kn.bf16_gemm == kBf16GemmOnednn;
   return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
@@ -70,10 +72,10 @@ bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
 }
 
 // INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
-// AMX (gemm_dot_engine); BF16: AMX only by name (auto: oneDNN, bf16_gemm_onednn).
+// AMX (gemm_dot_engine); BF16 auto: AMX for bf16 activations (float32 ones are not rounded by auto).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   const bool want = (W.fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
-                    (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmAmx);
+                    (W.fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16)));
   if (!want || M < kn.amx_min_tokens) return -1;
   return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;
 }

@@ -94,10 +94,10 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
+                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
                   prefetch_ahead % 64 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
-              "amx_k_block (a multiple of 64, 0: all of K), "
+              "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens ≥ 0, "
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
@@ -549,6 +549,10 @@ bool unpack_gemm_fma(const Knobs& kn) {
 }
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
+  if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
+    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    return gemm_tiles_run(x_act, W, amx, amx_opts(kn));
+  }
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
     note_used(kUsedOnednn);
     return at::linear(x_act.to(at::kBFloat16), bf16_weight(W)).to(at::kFloat);
@@ -556,10 +560,6 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   if (W.fmt == kFp8 && fp8_gemm_onednn(kn, W.act_bf16)) {  // the same on the weight dequantized to bf16
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
-  }
-  if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
-    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
-    return gemm_tiles_run(x_act, W, amx, kn.amx_k_block);
   }
   const int engine = gemm_dot_engine(W, kn);
   if (engine == kTilesMaddubs) {
@@ -617,6 +617,11 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W, kn);
   if (gemm) W.no_micro_forms();
+  if (const int amx = gemm && W.fmt == kBF16 && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
+    // AMX on the caller's bf16 rows, a bf16 output: no float32 copy either way
+    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    return gemm_tiles_run(x.contiguous(), W, amx, amx_opts(kn), true);
+  }
   if (gemm && W.fmt == kBF16 && W.act_bf16 && bf16_gemm_onednn(kn, true)) {
     // torch's bf16 linear on the caller's bf16 rows, its bf16 output returned as is: no float32 copy
     // of the activations or of the [M, N] result (linear's output is in x's dtype)
@@ -627,16 +632,11 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
-  if (const int amx = gemm && W.fmt == kBF16 && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
-    // AMX on the caller's bf16 rows, a bf16 output: no float32 copy either way
-    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
-    return gemm_tiles_run(x.contiguous(), W, amx, kn.amx_k_block, true);
-  }
   PreparedAct p = prepare_act(x, W);
   const int int8_engine = gemm ? int8_integer_engine(W, kn, M) : -1;
   if (int8_engine >= 0)  // the integers as they are, scaled in the write-back, in x's dtype
     return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
-                              int8_engine, kn.amx_k_block, x.scalar_type() == at::kBFloat16);
+                              int8_engine, amx_opts(kn), x.scalar_type() == at::kBFloat16);
   if (gemm) {
     at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));

@@ -91,13 +91,20 @@ const std::string& amx_unavailable();
 // or their C++ model, or INT8 on AVX2's vpmaddubsw (every CPU the kernels run on; amx.cpp).
 enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3, kTilesMaddubs = 4 };
 // The AMX engine (kTilesAmx, or kTilesAmxModel where AMX is emulated) a weight's GEMM path runs at M rows,
-// or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 weights under cpu_bf16_gemm amx, from
-// amx_min_tokens rows, where the CPU has AMX under the feature mask (isa.cpp).
+// or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 weights under cpu_bf16_gemm amx or auto, from
+// amx_min_tokens rows (BF16 auto: bf16 activations), where the CPU has AMX under the feature mask (isa.cpp).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M);
+// How the AMX GEMM runs (from the knobs: amx_opts): K passes of k_block bytes over packed weight blocks (0:
+// all of K at once); up to direct_max rows, the weight rows read as tiles where they lie, no packing, each
+// row prefetched `prefetch` bytes ahead (0: none).
+struct AmxOpts {
+  int64_t k_block = 0, direct_max = 0, prefetch = 0;
+};
+inline AmxOpts amx_opts(const Knobs& kn) { return {kn.amx_k_block, kn.amx_direct_max_tokens, kn.prefetch_ahead}; }
 // x_act [M, K] (float32: INT8's quantized integers, or BF16 weights' activations, rounded to bf16;
 // bfloat16: BF16 weights only) · Wᵀ on a tile engine → [M, N] float32 (INT8: the integer sums), or
-// bfloat16 (bf16_out, BF16 weights). k_block: AMX's K pass in bytes (0: the whole K at once).
-at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, int64_t k_block = 0,
+// bfloat16 (bf16_out, BF16 weights).
+at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, const AmxOpts& ao = {},
                           bool bf16_out = false);
 // INT8 from prepare_act's int16 integers (row stride ld; rows: nullptr, or the rows to gather) on the
 // AMX engines, the vpdpbusd engine (kTilesDot / kTilesDotModel) or vpmaddubsw (kTilesMaddubs), the scales
@@ -105,7 +112,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // The engine INT8 weights' GEMM path runs from the integers here at M rows (the call record noted), or -1.
 int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M);
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
-                              const WeightView& W, int engine, int64_t k_block, bool bf16_out = false);
+                              const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out = false);
 // The dot-product tile engine a weight's GEMM path runs for these knobs here (-1: none; INT4: the
 // engine of gemm_int4; INT8 and INT4 may run kTilesMaddubs, on any CPU).
 int gemm_dot_engine(const WeightView& W, const Knobs& kn);

@@ -450,7 +450,7 @@ class DecodeRunner {
     const int int8_engine = gemm ? int8_integer_engine(W, kn, M) : -1;
     if (int8_engine >= 0) {
       at::Tensor o = gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
-                                        int8_engine, kn.amx_k_block);
+                                        int8_engine, amx_opts(kn));
       std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
     } else if (gemm) {
       at::Tensor in = (p.xq.defined() && !p.xf.defined()) ? p.xq.narrow(1, 0, L.K).to(at::kFloat) : p.xf.narrow(1, 0, L.K);
