@@ -388,6 +388,27 @@ struct SumsOut {
   }
 };
 
+// One K step of the 2 × 2 block: C(i, j) += A(i) · B(j) for A tiles 4 / 5 and B tiles 6 / 7 (only B tile 6,
+// into C tiles 0 and 2, unless `two`).
+template <class T, bool Int8>
+MOETUNE_AMX inline void products(bool two) {
+  if constexpr (Int8) {
+    T::template dp_int8<0, 4, 6>();
+    T::template dp_int8<2, 5, 6>();
+    if (two) {
+      T::template dp_int8<1, 4, 7>();
+      T::template dp_int8<3, 5, 7>();
+    }
+  } else {
+    T::template dp_bf16<0, 4, 6>();
+    T::template dp_bf16<2, 5, 6>();
+    if (two) {
+      T::template dp_bf16<1, 4, 7>();
+      T::template dp_bf16<3, 5, 7>();
+    }
+  }
+}
+
 // One 32 × 32 block of C over K tiles [k0, k1) on the 2 × 2 tiles: A tiles at a0 / a1 + kt·1 KiB (rows
 // 0-15 / 16-31), B tiles at b + kt·2 KiB (columns 0-15, then 16-31); the sums start at zero (k0 = 0) or
 // from c, and end in c (row i at c + 32i). A function of its own with AMX's target, so that the tile
@@ -410,17 +431,7 @@ MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t*
     T::template load<5>(a1 + kt * 1024, 64);
     T::template load<6>(b + (kt * 2) * 1024, 64);
     T::template load<7>(b + (kt * 2 + 1) * 1024, 64);
-    if constexpr (Int8) {
-      T::template dp_int8<0, 4, 6>();
-      T::template dp_int8<1, 4, 7>();
-      T::template dp_int8<2, 5, 6>();
-      T::template dp_int8<3, 5, 7>();
-    } else {
-      T::template dp_bf16<0, 4, 6>();
-      T::template dp_bf16<1, 4, 7>();
-      T::template dp_bf16<2, 5, 6>();
-      T::template dp_bf16<3, 5, 7>();
-    }
+    products<T, Int8>(true);
   }
   // tile (r, h): rows 16r .. 16r + 15, columns 16h .. 16h + 15 of the block
   T::template store<0>(c, 128);
@@ -506,21 +517,7 @@ MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, i
     T::template load<5>(w + 16 * ld + 64 * kt, ld);
     T::template load<6>(bt + kt * 1024, 64);
     if (two) T::template load<7>(bt1 + kt * 1024, 64);
-    if constexpr (Int8) {
-      T::template dp_int8<0, 4, 6>();
-      T::template dp_int8<2, 5, 6>();
-      if (two) {
-        T::template dp_int8<1, 4, 7>();
-        T::template dp_int8<3, 5, 7>();
-      }
-    } else {
-      T::template dp_bf16<0, 4, 6>();
-      T::template dp_bf16<2, 5, 6>();
-      if (two) {
-        T::template dp_bf16<1, 4, 7>();
-        T::template dp_bf16<3, 5, 7>();
-      }
-    }
+    products<T, Int8>(two);
   }
   T::template store<0>(s, 64);
   T::template store<1>(s + 256, 64);
