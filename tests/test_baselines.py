@@ -140,6 +140,21 @@ def test_llama_cpp_greedy_tokens_match_ours(tiny_f32):
         _greedy_is_ours_and_timed(ll)
 
 
+def test_llama_cpp_without_repacking_gives_the_same_tokens(tiny_f32):
+    """repack=False (llama.cpp's extra buffer types off, its CLI's --no-repack: the fallback where its
+    repacking back end aborts, as its AMX one did on an AMX VM) loads and decodes the same tokens; the
+    settings say which ran."""
+    _llama_cpp_or_fail()
+    from suites.baselines.llamacpp import LlamaCpp
+
+    prompt = list(range(2, 40))
+    with LlamaCpp(tiny_f32, threads=1, n_ctx=256) as ll:
+        want = ll.greedy(prompt, 8)
+        assert ll.settings["repack"] is True and "repack_note" not in ll.settings
+    with LlamaCpp(tiny_f32, threads=1, n_ctx=256, repack=False) as ll:
+        assert ll.greedy(prompt, 8) == want and ll.settings["repack"] is False
+
+
 def _greedy_is_ours_and_timed(engine, model: str = "tiny") -> list[list[int]]:
     """A GGUF engine's first N_TOKENS greedy tokens on PROMPTS are ours (float32 both sides, our
     reference kernels); its own clock (the time inside llama_decode) is ≤ ours around its Python

@@ -94,11 +94,27 @@ class LlamaCpp(GgufEngine):
 
     engine = "llama.cpp"
 
-    def __init__(self, gguf: Path, threads: int, n_ctx: int = 4096, n_batch: int = 512):
+    def __init__(self, gguf: Path, threads: int, n_ctx: int = 4096, n_batch: int = 512, repack: bool | None = None):
+        """repack: llama.cpp's extra buffer types (its weight repacking; AMX's on an AMX CPU): True / False,
+        or None: on, as llama.cpp's default, unless a first decode then kills the worker (its AMX back end
+        aborted so on an AMX VM, GGML_ASSERT(*cur_backend_id != -1), on the `small` Q8_0 GGUF): then off,
+        as its CLI's `--no-repack`, the reason in settings["repack_note"]."""
         require_llama_cpp()
-        super().__init__([sys.executable, str(WORKER)], gguf,
-                         {"threads": threads, "n_ctx": n_ctx, "n_batch": n_batch})
+        args = {"threads": threads, "n_ctx": n_ctx, "n_batch": n_batch}
+        note, loaded = None, False
+        if repack is None:
+            try:
+                super().__init__([sys.executable, str(WORKER)], gguf, {**args, "repack": True})
+                self.greedy([1, 2], 1)  # the first decode: where the scheduler finds no back end for an op
+                repack = loaded = True
+            except BaselineError as e:
+                self.worker.close()
+                note = f"repacking off: with it, llama.cpp's worker failed its first decode ({str(e)[:200]})"
+                repack = False
+        if not loaded:
+            super().__init__([sys.executable, str(WORKER)], gguf, {**args, "repack": bool(repack)})
         self.settings = {"engine": "llama.cpp", "threads": threads, "n_ctx": n_ctx, "n_batch": n_batch,
+                         "repack": bool(repack), **({"repack_note": note} if note else {}),
                          "gguf": gguf.name, "version": self.info["llama_cpp_python"],
                          "system_info": self.info["system_info"], "build": BUILD_FLAGS,
                          "model_bytes": self.load["model_bytes"],

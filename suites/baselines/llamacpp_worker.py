@@ -3,7 +3,9 @@
 Run by path (`python suites/baselines/llamacpp_worker.py`), driven by suites/baselines/llamacpp.py.
 Ops:
     info                                        versions, ggml system info (ISA flags it was built with)
-    load   path, threads, n_ctx, n_batch        RSS before/after, model bytes and parameters
+    load   path, threads, n_ctx, n_batch,       RSS before/after, model bytes and parameters; repack
+           repack                               false: llama.cpp's extra buffer types off (its weight
+                                                repacking, AMX's among them: `--no-repack` of its CLI)
     greedy prompt (ids), n                      the n greedy tokens (argmax of the logits)
     time   prompt (ids), n_decode               ttft_s (prompt eval + first argmax), decode_s for
                                                 n_decode more tokens, llama-bench style: a fresh
@@ -43,9 +45,19 @@ def info() -> dict:
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
 
-def load(path: str, threads: int, n_ctx: int = 4096, n_batch: int = 512) -> dict:
+def load(path: str, threads: int, n_ctx: int = 4096, n_batch: int = 512, repack: bool = True) -> dict:
     import llama_cpp
+    import llama_cpp.llama_cpp as api
 
+    if not repack:  # the binding's Llama takes the model params from this function, with no switch of its own
+        default = api.llama_model_default_params
+
+        def no_repack():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        api.llama_model_default_params = no_repack
     before = _rss_bytes()
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                           n_threads_batch=threads, verbose=False, logits_all=False, use_mmap=False,
