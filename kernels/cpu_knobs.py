@@ -137,9 +137,12 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "rows): weight unpack to float32 + BLAS (unpack), or the weight dequantized to bf16 (each value × its "
          "block scale rounded to bf16, as DeepSeek's FP8 → BF16 cast) and torch's bf16 linear, i.e. oneDNN, on "
          "activations rounded to bf16 with a bf16 output (onednn), or our tile GEMM on vdpbf16ps over the same "
-         "bf16 values, expanded per 32-row block as it is packed (avx512bf16; needs AVX512-BF16, else unpack); "
-         "auto: onednn where the CPU has AVX512-BF16 or AMX and the activations are bf16 already, else unpack",
-         choices=("auto", "unpack", "onednn", "avx512bf16")),
+         "bf16 values, expanded per 32-row block as it is packed (avx512bf16; needs AVX512-BF16, else unpack), or "
+         "the same packing into AMX tiles from cpu_amx_min_tokens rows (amx; needs AMX, else unpack; measured "
+         "on an AMX VM: fused MoE at 12-16 tokens per expert x0.72-0.76 auto's vdpbf16ps microkernels, so not auto's); auto, "
+         "for activations that are bf16 already: onednn where the CPU has AMX, avx512bf16 where it has "
+         "AVX512-BF16, else unpack (float32 activations: unpack)",
+         choices=("auto", "unpack", "onednn", "avx512bf16", "amx")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "
          "cpu_gemm_min_tokens rows): weight unpack + float32 BLAS (unpack), our tile GEMM on vpdpbusd "
@@ -214,7 +217,7 @@ PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
-                "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16"},
+                "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None, "amx": "amx"},
                 "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}

@@ -156,6 +156,43 @@ def test_int8_amx_equals_the_vnni_gemm_bitwise_and_auto_takes_it(native):
         assert tag in rec[-1]["isa"].split("+") and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
+    """cpu_fp8_gemm=amx (by name; auto keeps oneDNN on AMX CPUs): each 32-row block of the FP8
+    weight expanded to bf16(value × block scale) as it is packed, then TDPBF16PS, the products the
+    avx512bf16 FP8 GEMM makes: within 1e-5 of it (summation order), within the bf16 bound of the
+    reference; linear (odd shape, N and K tails) and fused MoE."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(11)
+    w = formats.quantize_fp8_block(torch.randn(300, 384, generator=g) * 0.05)
+    base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 8}
+    with ctx:
+        for t in (9, 40):
+            x = torch.randn(t, 384, generator=g).bfloat16()
+            ref = reference.linear(x.float(), w)
+            with cpu.recording() as rec:
+                got = cpu.linear(x, w, knobs={**base, "cpu_fp8_gemm": "amx"})
+            assert rec[-1]["isa"] == tag
+            assert got.dtype == torch.bfloat16
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= 1e-2
+            # the vdpbf16ps GEMM, on its model where the CPU lacks it (beside AMX's model when that runs)
+            models = (["amx"] if not native else []) + ([] if "avx512_bf16" in cpu.detected_features() else ["avx512_bf16"])
+            with cpu.emulate(models):
+                dotted = cpu.linear(x.float(), w, knobs={**base, "cpu_fp8_gemm": "avx512bf16", "cpu_amx_min_tokens": 4096})
+                amx32 = cpu.linear(x.float(), w, knobs={**base, "cpu_fp8_gemm": "amx"})
+            assert ((amx32 - dotted).norm() / dotted.norm()).item() <= 1e-5
+        w13 = formats.quantize_fp8_block(torch.randn(3, 256, 384, generator=g) * 0.05)
+        w2 = formats.quantize_fp8_block(torch.randn(3, 384, 128, generator=g) * 0.05)
+        x = torch.randn(40, 384, generator=g).bfloat16()
+        ids = torch.tensor([[0, 2]] * 40)
+        tw = torch.rand(40, 2, generator=g) + 0.1
+        ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
+        with cpu.recording() as rec:
+            got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_fp8_gemm": "amx"})
+        assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
+        assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-2
+
+
 def test_status_names_the_reason_and_the_hardware_path_refuses_without_it():
     assert isinstance(HW, str)
     if HW:

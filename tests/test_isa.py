@@ -216,15 +216,16 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 want = ("vnni" if vnni else "maddubs" if int4_gemm == "maddubs"
                         else AUTO_INT_GEMM if int4_gemm == "auto" else UNPACK)
                 assert used == {want}, (mask, int4_gemm, used)
-            for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16"),
+            for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16", "amx"),
                                                      (torch.float32, torch.bfloat16)):
-                with cpu.recording() as rec:  # FP8's GEMM path
+                with cpu.recording() as rec:  # FP8's GEMM path (40 rows: from cpu_amx_min_tokens, 8)
                     cpu.linear(torch.randn(40, 256, generator=g).to(dtype), weights["fp8"],
                                knobs={"cpu_fp8_gemm": fp8_gemm, "cpu_gemm_min_tokens": 32})
                 auto_bf16 = fp8_gemm == "auto" and dtype == torch.bfloat16
+                amx = fp8_gemm == "amx" and "amx" in mask & HAS  # by name only
                 onednn = fp8_gemm == "onednn" or (auto_bf16 and "amx" in mask & HAS)
                 dot = (fp8_gemm == "avx512bf16" or auto_bf16) and "avx512_bf16" in mask & HAS
-                want = "onednn" if onednn else "avx512bf16" if dot else UNPACK
+                want = "amx" if amx else "onednn" if onednn else "avx512bf16" if dot else UNPACK
                 assert rec[0]["isa"] == want, (mask, fp8_gemm, dtype, rec[0]["isa"])
     assert cpu.features() == HAS  # the mask is restored
 

@@ -468,11 +468,14 @@ void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int6
     uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
     std::vector<int32_t> cbuf((passes ? mblocks : 1) * 1024 + 16);
     int32_t* cb = cbuf.data() + ((64 - reinterpret_cast<uintptr_t>(cbuf.data()) % 64) % 64) / 4;
+    const bool fp8 = W.fmt == kFp8;  // expanded to bf16(value × block scale) as it is packed (pack_fp8_b)
+    std::vector<uint8_t> rows(fp8 ? 32 * kbytes : 0);
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      pack_b(W, nb * 32, data_bytes, kbytes, b);
+      if (fp8) pack_fp8_b(W, nb * 32, kbytes, rows.data(), b);
+      else pack_b(W, nb * 32, data_bytes, kbytes, b);
       for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
         const int64_t k1 = std::min(ktiles, k0 + kstep);
         for (int64_t mb = 0; mb < mblocks; ++mb) {
@@ -802,12 +805,12 @@ const std::string& amx_unavailable() {
 // or their models; INT8 needs W.wsum).
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
   const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
-  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && dot),
-              "tile GEMM: BF16 or INT8 weights (FP8 on the dot-product engine) only");
+  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && engine != kTilesMaddubs),
+              "tile GEMM: BF16, INT8 or FP8 weights (FP8: not on the vpmaddubsw engine)");
   TORCH_CHECK(engine != kTilesMaddubs || int8, "tile GEMM: the vpmaddubsw engine takes INT8 weights only");
   TORCH_CHECK(x_act.scalar_type() == at::kFloat || (x_act.scalar_type() == at::kBFloat16 && !int8),
-              "tile GEMM: float32 activations (bfloat16 for BF16 weights)");
-  TORCH_CHECK(!bf16_out || !int8, "tile GEMM: a bfloat16 output for BF16 weights only");
+              "tile GEMM: float32 activations (bfloat16 for BF16 and FP8 weights)");
+  TORCH_CHECK(!bf16_out || !int8, "tile GEMM: a bfloat16 output for BF16 and FP8 weights only");
   if (engine == kTilesAmx) {
     TORCH_CHECK(amx_unavailable().empty(), "AMX GEMM: ", amx_unavailable());
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: AMX is masked off (set_feature_mask)");

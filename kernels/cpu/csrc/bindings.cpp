@@ -62,7 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("auto", moetune::kUnpackGemmAuto).value("blas", moetune::kUnpackGemmBlas).value("fma", moetune::kUnpackGemmFma);
   py::enum_<moetune::Fp8Gemm>(m, "Fp8Gemm")
       .value("auto", moetune::kFp8GemmAuto).value("unpack", moetune::kFp8GemmUnpack)
-      .value("onednn", moetune::kFp8GemmOnednn).value("avx512bf16", moetune::kFp8GemmDot);
+      .value("onednn", moetune::kFp8GemmOnednn).value("avx512bf16", moetune::kFp8GemmDot)
+      .value("amx", moetune::kFp8GemmAmx);
   py::enum_<moetune::Int8Gemm>(m, "Int8Gemm")
       .value("auto", moetune::kInt8GemmAuto).value("unpack", moetune::kInt8GemmUnpack)
       .value("vnni", moetune::kInt8GemmVnni)

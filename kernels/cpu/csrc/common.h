@@ -47,7 +47,7 @@ enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
 // (oneDNN), or our tile GEMM on vdpbf16ps (avx512bf16: amx.cpp's gemm_dot) or on AMX tiles (amx);
 // auto: see isa.cpp (bf16_gemm_choice).
 enum Bf16Gemm : int { kBf16GemmAuto = 0, kBf16GemmUnpack = 1, kBf16GemmOnednn = 2, kBf16GemmDot = 3, kBf16GemmAmx = 4 };
-enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, kFp8GemmDot = 3 };
+enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, kFp8GemmDot = 3, kFp8GemmAmx = 4 };
 // cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS, or our tile GEMM on vpdpbusd, on
 // AVX2's vpmaddubsw (any CPU the kernels run on), or on AMX tiles (TDPBSSD).
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2, kInt8GemmMaddubs = 3, kInt8GemmAmx = 4 };

@@ -107,7 +107,7 @@ void Knobs::check() const {
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmAmx && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmAmx &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
-                  fp8_gemm <= kFp8GemmDot,
+                  fp8_gemm <= kFp8GemmAmx,
               "fp8_method, bf16_method, tile_rows, micro_order, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
               "fp8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
@@ -617,8 +617,9 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W, kn);
   if (gemm) W.no_micro_forms();
-  if (const int amx = gemm && W.fmt == kBF16 && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
-    // AMX on the caller's bf16 rows, a bf16 output: no float32 copy either way
+  if (const int amx = gemm && (W.fmt == kBF16 || W.fmt == kFp8) && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
+    // AMX on the caller's bf16 rows (FP8: the weight expanded to bf16 as it is packed), a bf16 output: no
+    // float32 copy either way
     note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
     return gemm_tiles_run(x.contiguous(), W, amx, amx_opts(kn), true);
   }
