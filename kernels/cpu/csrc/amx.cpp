@@ -409,6 +409,27 @@ MOETUNE_AMX inline void products(bool two) {
   }
 }
 
+// One K step: A tiles 4 / 5 from a0 / a1 (rows lda bytes apart), B tiles 6 (and 7 if `two`) from b0 / b1
+// (64-byte rows), then the products.
+template <class T, bool Int8>
+MOETUNE_AMX inline void tile_step(const uint8_t* a0, const uint8_t* a1, int64_t lda, const uint8_t* b0, const uint8_t* b1,
+                                  bool two) {
+  T::template load<4>(a0, lda);
+  T::template load<5>(a1, lda);
+  T::template load<6>(b0, 64);
+  if (two) T::template load<7>(b1, 64);
+  products<T, Int8>(two);
+}
+
+// The four sum tiles to memory (rows `stride` bytes apart): tile q at c + (q % 2)·h + (q / 2)·r int32s.
+template <class T>
+MOETUNE_AMX inline void store_sums(int32_t* c, int64_t stride, int64_t h, int64_t r) {
+  T::template store<0>(c, stride);
+  T::template store<1>(c + h, stride);
+  T::template store<2>(c + r, stride);
+  T::template store<3>(c + r + h, stride);
+}
+
 // One 32 × 32 block of C over K tiles [k0, k1) on the 2 × 2 tiles: A tiles at a0 / a1 + kt·1 KiB (rows
 // 0-15 / 16-31), B tiles at b + kt·2 KiB (columns 0-15, then 16-31); the sums start at zero (k0 = 0) or
 // from c, and end in c (row i at c + 32i). A function of its own with AMX's target, so that the tile
@@ -426,18 +447,9 @@ MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t*
     T::template load<2>(c + 512, 128);
     T::template load<3>(c + 528, 128);
   }
-  for (int64_t kt = k0; kt < k1; ++kt) {
-    T::template load<4>(a0 + kt * 1024, 64);
-    T::template load<5>(a1 + kt * 1024, 64);
-    T::template load<6>(b + (kt * 2) * 1024, 64);
-    T::template load<7>(b + (kt * 2 + 1) * 1024, 64);
-    products<T, Int8>(true);
-  }
-  // tile (r, h): rows 16r .. 16r + 15, columns 16h .. 16h + 15 of the block
-  T::template store<0>(c, 128);
-  T::template store<1>(c + 16, 128);
-  T::template store<2>(c + 512, 128);
-  T::template store<3>(c + 528, 128);
+  for (int64_t kt = k0; kt < k1; ++kt)
+    tile_step<T, Int8>(a0 + kt * 1024, a1 + kt * 1024, 64, b + (kt * 2) * 1024, b + (kt * 2 + 1) * 1024, true);
+  store_sums<T>(c, 128, 16, 512);  // tile (r, h): rows 16r .., columns 16h .. of the block
 }
 
 // Per parallel task one 32-column block of W, packed once (pack_b), then every 32-row block of A on a
@@ -516,16 +528,9 @@ MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, i
   for (int64_t kt = 0; kt < ktiles; ++kt) {
     if (pf > 0 && 64 * kt + pf < ld)
       for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(w + r * ld + 64 * kt + pf), _MM_HINT_T0);
-    T::template load<4>(w + 64 * kt, ld);
-    T::template load<5>(w + 16 * ld + 64 * kt, ld);
-    T::template load<6>(bt + kt * 1024, 64);
-    if (two) T::template load<7>(bt1 + kt * 1024, 64);
-    products<T, Int8>(two);
+    tile_step<T, Int8>(w + 64 * kt, w + 16 * ld + 64 * kt, ld, bt + kt * 1024, bt1 + kt * 1024, two);
   }
-  T::template store<0>(s, 64);
-  T::template store<1>(s + 256, 64);
-  T::template store<2>(s + 512, 64);
-  T::template store<3>(s + 768, 64);
+  store_sums<T>(s, 64, 256, 512);
 }
 
 template <class T, bool Int8>
