@@ -38,7 +38,7 @@ CSRC = Path(__file__).resolve().parent / "cpu" / "csrc"
 SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_int8.cpp", "micro_fp8.cpp", "micro_int4.cpp",
            "matmul.cpp", "moe.cpp", "attention.cpp", "small_ops.cpp", "probe.cpp", "amx.cpp", "isa.cpp", "runner.cpp",
            "bindings.cpp")
-HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc",
+HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "amx_tiles.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc",
            "avx512_model.h")
 _COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wno-unused-variable"]
 # build → (the cpuinfo flags it needs, its compiler flags)

@@ -185,8 +185,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU attention (decode and extend) over a bf16 cache: the QK and PV products' instruction; "
          "avx512bf16: vdpbf16ps on bf16 pairs (queries rounded to bf16, the probabilities rounded to bf16 "
          "before PV; any row count, in place of the sgemm form), avx512: float32 FMAs (register tiles, or "
-         "sgemm from cpu_attn_blas_rows), auto: avx512bf16 where the CPU has it and every query value is a "
-         "bf16 already. Falls back to avx512 where the CPU lacks it", choices=("auto", "avx512", "avx512bf16")),
+         "sgemm from cpu_attn_blas_rows), amx: AMX tiles (TDPBF16PS; the same roundings as avx512bf16, key "
+         "and value dims multiples of 32 and 16, else avx512bf16's rule), auto: amx, else avx512bf16, where "
+         "the CPU has it and every query value is a bf16 already. Falls back to avx512 where the CPU lacks "
+         "it", choices=("auto", "avx512", "avx512bf16", "amx")),
     Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
     Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
@@ -197,7 +199,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "run as sgemm on float32-converted cache blocks instead of the register kernels", low=1, high=1024,
          log=True),
     Knob("cpu_attn_blas_kv_block", int, 256, "kernels/cpu",
-         "CPU attention decode, sgemm form (rows ≥ cpu_attn_blas_rows): keys per converted cache block",
+         "CPU attention decode, sgemm form (rows ≥ cpu_attn_blas_rows) and AMX form (cpu_attn_isa): keys "
+         "per converted cache block",
          low=16, high=4096, log=True, pow2=True),
     Knob("cpu_serial_below_bytes", int, 65536, "kernels/cpu",
          "CPU decode-layer runner (graph_mode=cpp): an op reading fewer bytes than this (weights, or the "
@@ -220,7 +223,7 @@ ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
                 "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None, "amx": "amx"},
                 "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
-                "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16"}}
+                "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16", "amx": "amx"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
 # the features whose instructions have a C++ model in the kernels (their variants are tested everywhere);
 # "amx": AMX-TILE with AMX-INT8 and AMX-BF16 (/proc/cpuinfo's amx_tile, amx_int8, amx_bf16)

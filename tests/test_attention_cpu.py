@@ -18,8 +18,9 @@ Tolerances, ‖got − ref‖ / ‖ref‖:
 - bfloat16 output (bf16 queries): 1e-2; both round the same float32 result to bf16, so they
   differ only where the two float32 values straddle a rounding boundary (measured ≤ 6e-5).
 - the cache after mla_decode with new rows: bitwise equal to the reference's (index op).
-- the BF16 dot form (cpu_attn_isa=avx512bf16: vdpbf16ps, or its C++ model on a CPU without it), bf16
-  cache and queries: 1e-2, as any bf16 output. The QK products are exact (bf16 × bf16) and summed in
+- the BF16 dot form (cpu_attn_isa=avx512bf16: vdpbf16ps, or its C++ model on a CPU without it) and the
+  AMX form (cpu_attn_isa=amx: TDPBF16PS tiles, or their C++ model), bf16 cache and queries: 1e-2, as any
+  bf16 output. The QK products are exact (bf16 × bf16) and summed in
   float32 in pairs; the probabilities are rounded to bf16 before the PV product (relative error
   ≤ 2^-9 each), which leaves the output within 2.6e-3 of the reference over every case here (the
   float32 form: 4.6e-5 on the same bf16 inputs).
@@ -277,7 +278,7 @@ def test_every_attention_knob_value_gives_the_same_answer(name, value):
         for op, args, want in knob_inputs(cache_dtype):
             got = getattr(cpu, op)(*args, knobs={name: value})
             # the BF16 dot form asked for by name rounds the float32 queries (where the CPU has it)
-            bound = DOT if (name, value) == ("cpu_attn_isa", "avx512bf16") else TIGHT
+            bound = DOT if (name, value) in (("cpu_attn_isa", "avx512bf16"), ("cpu_attn_isa", "amx")) else TIGHT
             check(got, want, bound, f"{op} cache {cache_dtype} {name}={value}")
 
 
@@ -392,7 +393,8 @@ def test_bf16_dot_auto_takes_only_bf16_queries_and_a_bf16_cache():
             fn(*args, knobs={"cpu_attn_isa": value})
         return rec[-1]["isa"]
 
-    assert isa(decode_inputs("regular_mha_4", BF, BF), "auto") == DOT_WANT
+    with cpu.feature_mask(cpu.features() - {"amx"}):  # (auto prefers AMX: its own test below)
+        assert isa(decode_inputs("regular_mha_4", BF, BF), "auto") == DOT_WANT
     assert isa(decode_inputs("regular_mha_4", BF, F32), "auto") == "avx512"
     assert isa(decode_inputs("regular_mha_4", BF, F32), "avx512bf16") == DOT_WANT
     assert isa(decode_inputs("regular_mha_4", F32, BF), "avx512bf16") == "avx512"
@@ -426,3 +428,121 @@ def test_native_bf16_dot_mla_decode_equals_its_model(case):
     model, _ = on_dot(cpu.mla_decode, *args)
     check(native, model, 1e-5, f"native vs model {case}")
     check(native, reference.mla_decode(*args), DOT, f"native {case}")
+
+
+# ------------------------------------------------------------------ the AMX form (cpu_attn_isa=amx)
+
+AMX_KNOBS = {"cpu_attn_isa": "amx"}
+
+
+def on_amx(fn, *args, native: bool = False, knobs=None):
+    """fn(*args) with the AMX form asked for, on the tiles' C++ model (native: on the tiles); returns
+    (output, the variant the call record names)."""
+    with cpu.emulate([] if native else ["amx"]), cpu.recording() as rec:
+        out = fn(*args, knobs={**AMX_KNOBS, **(knobs or {})})
+    return out, rec[-1]["isa"]
+
+
+def amx_shape(op: str, case: str) -> bool:
+    """Key dims a multiple of 32 and value dims of 16: the AMX form's shapes (others take the dot form)."""
+    args = dot_inputs(op, case)
+    if op == "mla_decode":
+        return (args[0].shape[-1] + args[1].shape[-1]) % 32 == 0 and args[0].shape[-1] % 16 == 0
+    return args[1].shape[-1] % 32 == 0 and args[2].shape[-1] % 16 == 0
+
+
+@pytest.mark.parametrize("op,case", DOT_CASES, ids=[f"{o}-{c}" for o, c in DOT_CASES])
+def test_amx_form(op, case):
+    """Every conformance case on the tiles' model: the AMX form where the dims allow, else the dot form
+    (its model here too where the CPU lacks AVX512-BF16, the instruction where it has it)."""
+    args = dot_inputs(op, case)
+    got, isa = on_amx(getattr(cpu, op), *args)
+    assert isa == "amx-model" if amx_shape(op, case) else isa in ("avx512bf16", "avx512")
+    check(got, getattr(reference, op)(*args), DOT, f"{op} amx {case}")
+
+
+# (lens, heads, R, P, block size): 16-key tiles in place (block sizes 16, 64) or copied (1, 4, and across
+# blocks out of order), row groups of 16 with remainders (1, 5, 17, 40 heads), the lazy max's moves
+AMX_MLA = {"bs1_h17": ([33, 5, 1], 17, 64, 32, 1), "bs4_h5": ([70, 129], 5, 64, 32, 4),
+           "bs16_h40": ([300, 16, 31], 40, 128, 32, 16), "bs64_h1": ([257, 64], 1, 64, 32, 64)}
+
+
+def amx_mla_inputs(case: str, rising: float = 0.0):
+    lens, h, r, p, bs = AMX_MLA[case]
+    g = gen("amx_mla", case)
+    seqs = [randn(g, n, r + p) for n in lens]
+    if rising:  # scores grow by about `rising` per key along the sequence: the running max keeps moving
+        for s in seqs:
+            s[:, 0] = torch.arange(s.shape[0]) * rising
+    cache, bt = paged(seqs, bs, BF, g)
+    q_lat, q_pe = randn(g, len(lens), h, r).to(BF), randn(g, len(lens), h, p).to(BF)
+    if rising:
+        q_lat[..., 0] = 1.0
+    return q_lat, q_pe, cache, bt, torch.tensor(lens, dtype=torch.int32), 1.0
+
+
+@pytest.mark.parametrize("knobs", [{}, {"cpu_attn_head_fold": 1, "cpu_attn_kv_splits": 1},
+                                   {"cpu_attn_head_fold": 5, "cpu_attn_blas_kv_block": 16},
+                                   {"cpu_attn_kv_splits": 64, "cpu_attn_blas_kv_block": 4096}],
+                         ids=["defaults", "fold1", "fold5_kvb16", "splits64_kvb4096"])
+@pytest.mark.parametrize("case", sorted(AMX_MLA))
+def test_amx_mla_decode_tiles_rows_and_blocks(case, knobs):
+    args = amx_mla_inputs(case)
+    got, isa = on_amx(cpu.mla_decode, *args, knobs=knobs)
+    assert isa == "amx-model"
+    check(got, reference.mla_decode(*args), DOT, f"mla_decode amx {case} {knobs}")
+
+
+@pytest.mark.parametrize("rising", [0.5, -0.5, 20.0], ids=["rising", "falling", "steep"])
+def test_amx_lazy_max_moves_and_rescales(rising):
+    """Scores that rise along the keys move the running max by more than kLazyMax again and again (every
+    output row rescaled, from one block to the next and within the first), falling ones never after the first
+    block; steep ones leave one key with almost all the weight. All equal the reference."""
+    for case in ("bs16_h40", "bs4_h5"):
+        args = amx_mla_inputs(case, rising)
+        for kvb in (16, 256):
+            got, _ = on_amx(cpu.mla_decode, *args, knobs={"cpu_attn_blas_kv_block": kvb})
+            check(got, reference.mla_decode(*args), DOT, f"mla_decode amx {case} rising {rising} kvb {kvb}")
+
+
+def test_amx_auto_and_fallbacks():
+    """auto takes AMX (where it runs: here its model) for bf16 queries and a bf16 cache of AMX's dims; float32
+    queries keep the FMAs; dims off AMX's multiples take the dot form; asked for by name where AMX is masked
+    off and not modelled, the dot form's rule; masked entirely, float32 FMAs."""
+    def isa(args, value="auto", fn=cpu.paged_decode):
+        with cpu.recording() as rec:
+            fn(*args, knobs={"cpu_attn_isa": value})
+        return rec[-1]["isa"]
+
+    bf = decode_inputs("regular_gqa_8_2", BF, BF)
+    with cpu.emulate(["amx", "avx512_bf16"]):
+        assert isa(bf) == "amx-model"
+        assert isa(decode_inputs("regular_gqa_8_2", BF, F32)) == "avx512"
+        assert isa(decode_inputs("odd_gqa_6_3", BF, BF)) == DOT_WANT
+        assert isa(bf, "avx512bf16") == DOT_WANT
+        assert isa(extend_inputs("regular_gqa_8_2", BF, BF), fn=cpu.extend_attention) == "amx-model"
+    with cpu.emulate(["avx512_bf16"]), cpu.feature_mask(cpu.features() - {"amx"}):
+        assert isa(bf, "amx") == DOT_WANT
+    with cpu.feature_mask(set()):
+        got = cpu.paged_decode(*bf, knobs=AMX_KNOBS)
+        assert isa(bf, "amx") == "avx512"
+    check(got, reference.paged_decode(*bf), BF16, "amx masked off")
+
+
+@pytest.mark.skipif("amx" not in cpu.features(), reason="this CPU lacks AMX (or Linux refuses its tile state): "
+                    "the AMX form runs only on the tiles' C++ model here (the tests above)")
+@pytest.mark.parametrize("op,case", [("mla_decode", "regular_v3_heads"), ("mla_decode", "regular_b4"),
+                                     ("paged_decode", "regular_gqa_8_2"), ("extend_attention", "regular_gqa_8_2"),
+                                     ("paged_extend", "regular_mla_naive_prefix")])
+def test_native_amx_attention_equals_its_model(op, case):
+    """TDPBF16PS itself: the model's answer up to the order of the float32 sums within a tile (and the
+    instruction's denormal rule), and the reference's within the bf16 bound. The queries hold bf16 values
+    in float32 tensors, so the outputs are float32. Bound 1e-4: another order of a score's sum can flip a
+    probability's bf16 rounding before PV (2^-9 of it), measured ≤ 1.5e-5 here, while one lost key or
+    tile is orders above."""
+    args = tuple(a.float() if i < (2 if op == "mla_decode" else 1) else a for i, a in enumerate(dot_inputs(op, case)))
+    native, isa = on_amx(getattr(cpu, op), *args, native=True)
+    assert isa == "amx"
+    model, _ = on_amx(getattr(cpu, op), *args)
+    check(native, model, 1e-4, f"native vs model {op} {case}")
+    check(native, getattr(reference, op)(*args), DOT, f"native amx {op} {case}")

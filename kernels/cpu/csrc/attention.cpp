@@ -26,6 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include "dot.h"
 #include "ops.h"
+#include "amx_tiles.h"
 
 namespace moetune {
 
@@ -42,7 +43,8 @@ namespace {
 #undef MOETUNE_ATTN_NS
 #undef MOETUNE_BF16_ATTR
 
-enum AttnDot : int { kNoDot = 0, kDotHw = 1, kDotModel = 2 };  // the QK / PV instruction of a call
+// the QK / PV instruction of a call: float32 FMAs, vdpbf16ps (or its model), AMX tiles (or their model)
+enum AttnDot : int { kNoDot = 0, kDotHw = 1, kDotModel = 2, kDotAmx = 3, kDotAmxModel = 4 };
 
 constexpr int kGroup = 16;  // rows per register group
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -228,12 +230,23 @@ struct Scratch {
   std::vector<float> kt, s, pt, alpha, kf, vf, q;  // kf, vf, q: the BLAS form (row-major float32)
   std::vector<uint32_t> kp, pb;                     // the dot form: key pairs, probability pairs
   std::vector<const uint8_t*> krow, vrow;
-  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, bool dot) {
-    const int64_t ldk = (kv_block + 15) / 16 * 16;
-    grow(kt, Dk * ldk), grow(s, rows * ldk), grow(pt, ldk * kGroup), grow(alpha, rows);
+  // the AMX form: staged key tiles, V's key pairs interleaved, bf16 probability rows, the output rows
+  std::vector<uint16_t> kst, pbf;
+  std::vector<uint32_t> vp;
+  std::vector<float> o;
+  std::vector<const uint8_t*> ka;  // per 16-key tile: its A operand (in the cache, or staged)
+  std::vector<int64_t> kld;        // and the bytes between its rows
+  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot) {
+    const int64_t ldk = (kv_block + 15) / 16 * 16, rp = (rows + kGroup - 1) / kGroup * kGroup;
+    grow(kt, Dk * ldk), grow(s, rp * ldk), grow(pt, ldk * kGroup), grow(alpha, rp);
     grow(krow, ldk), grow(vrow, ldk);
     if (blas) grow(kf, kv_block * Dk), grow(vf, kv_block * Dv), grow(q, rows * Dk);
     if (dot) grow(kp, (Dk + 1) / 2 * ldk), grow(pb, kGroup * ldk / 2);
+    if (dot >= kDotAmx) {
+      const int64_t ldk32 = (kv_block + 31) / 32 * 32;
+      grow(kst, ldk * Dk), grow(pbf, rp * ldk32), grow(vp, ldk32 / 2 * Dv), grow(o, rp * Dv);
+      grow(ka, ldk / 16), grow(kld, ldk / 16);
+    }
   }
   template <class T>
   static void grow(std::vector<T>& v, int64_t n) {
@@ -241,7 +254,7 @@ struct Scratch {
   }
 };
 
-Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, bool dot) {
+Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot) {
   static thread_local Scratch sc;
   sc.fit(rows, kv_block, Dk, Dv, blas, dot);
   return sc;
@@ -262,8 +275,8 @@ inline at::Tensor view2d(float* p, int64_t rows, int64_t cols, int64_t ld) {
 }
 
 // Rows [0, rows) of float32 values (row r at x[r], n even) as bf16 pairs in register groups of 16 rows,
-// each group transposed: dst[(r / 16) * (n / 2) * 16 + i * 16 + r % 16] = (x[r][2i], x[r][2i + 1]).
-// The dot form's queries (unscaled) and probabilities.
+// each group transposed: dst[(r / 16) * (n / 2) * 16 + i * 16 + r % 16] = (x[r][2i], x[r][2i + 1]); the
+// last group's lanes past `rows` zero. The dot and AMX forms' queries (unscaled) and probabilities.
 inline void pack_pairs_t(const float* const* x, int rows, int64_t n, uint32_t* dst) {
   static thread_local std::vector<uint32_t> row;
   const int64_t units = n / 2;
@@ -272,6 +285,10 @@ inline void pack_pairs_t(const float* const* x, int rows, int64_t n, uint32_t* d
     to_bf16(x[r], n, reinterpret_cast<uint16_t*>(row.data()));
     uint32_t* d = dst + (r / kGroup) * units * kGroup + r % kGroup;
     for (int64_t i = 0; i < units; ++i) d[i * kGroup] = row[i];
+  }
+  for (int r = rows; r % kGroup != 0; ++r) {
+    uint32_t* d = dst + (r / kGroup) * units * kGroup + r % kGroup;
+    for (int64_t i = 0; i < units; ++i) d[i * kGroup] = 0;
   }
 }
 
@@ -301,19 +318,242 @@ struct DenormalScope {
   ~DenormalScope() { if (on) _mm_setcsr(prev); }
 };
 
-// The QK / PV instruction of a call (cpu_attn_isa, as isa.cpp's rule for the weights): vdpbf16ps, or
-// its C++ model under emulation, for a bf16 cache whose key rows have an even length; asked for
-// (avx512bf16), or with auto where the queries hold bf16 values already (nothing is rounded that the
-// model did not round: only the probabilities are, before the PV product). Else float32 FMAs.
-int attn_dot(const Knobs& kn, bool bf16_cache, int64_t Dk, const float* q, int64_t n) {
+// ------------------------------------------------------------------ the AMX form (cpu_attn_isa=amx)
+// QK and PV on TDPBF16PS tiles (or their C++ model, amx_tiles.h) for a bf16 cache with Dk % 32 == 0 and
+// Dv % 16 == 0, the rows in register groups of 16 (the last one zero-padded):
+// - QK as Sᵀ = K · Qᵀ: the A tiles are 16 keys × 32 dims of the cache rows, read where they lie when the
+//   16 rows are evenly spaced (else copied to a staging tile, zero past the block), the B tiles the queries
+//   as bf16 pairs [dim pair][16 rows] (pack_pairs_t's groups). A sum tile holds 16 keys × 16 rows, so the
+//   online softmax runs down the keys with the rows in the lanes, and nothing transposes the keys.
+// - The running max moves only when a block's max passes it by more than kLazyMax (the probabilities
+//   stay below e^8 ≈ 3000, far inside float32's and bf16's range; the result is the same up to rounding):
+//   the output rows are rescaled when it moves, not after every block.
+// - PV as O += P · V: the A tiles the probabilities as bf16 rows [16 rows][32 keys] (each group's Sᵀ
+//   transposed 16 × 16 at a time, rounded as the dot form rounds them), the B tiles V with each pair of key
+//   rows interleaved ([key pair][Dv] units (V[2i][c], V[2i + 1][c]), built once per block for every row
+//   group), the sum tiles 16 rows × 16 columns of O (the task's float32 rows in the scratch), loaded and
+//   stored around each block's keys.
+constexpr float kLazyMax = 8.f;
+
+// C(i, j) += Σ_k A_i(k) · B_j(k) over `steps` K tiles, for NA ≤ 2 A tiles (tmm4 / 5; A_i(k) at a[i] + k·astep
+// bytes, rows lda[i] bytes apart) and NB ≤ 2 B tiles (tmm6 / 7; B_j(k) at b[j] + k·bstep, rows ldb apart);
+// C(i, j) is tile 2i + j, at c[2i + j] with rows ldc bytes apart, zeroed first or loaded from there (load_c),
+// stored there at the end.
+template <class T, int NA, int NB>
+MOETUNE_AMX void amx_block(const uint8_t* const* a, const int64_t* lda, int64_t astep, const uint8_t* const* b,
+                           int64_t ldb, int64_t bstep, int64_t steps, float* const* c, int64_t ldc, bool load_c) {
+  if (load_c) {
+    T::template load<0>(c[0], ldc);
+    if constexpr (NB > 1) T::template load<1>(c[1], ldc);
+    if constexpr (NA > 1) T::template load<2>(c[2], ldc);
+    if constexpr (NA > 1 && NB > 1) T::template load<3>(c[3], ldc);
+  } else {
+    T::template zero<0>();
+    if constexpr (NB > 1) T::template zero<1>();
+    if constexpr (NA > 1) T::template zero<2>();
+    if constexpr (NA > 1 && NB > 1) T::template zero<3>();
+  }
+  for (int64_t k = 0; k < steps; ++k) {
+    T::template load<4>(a[0] + k * astep, lda[0]);
+    if constexpr (NA > 1) T::template load<5>(a[1] + k * astep, lda[1]);
+    T::template load<6>(b[0] + k * bstep, ldb);
+    if constexpr (NB > 1) T::template load<7>(b[1] + k * bstep, ldb);
+    T::template dp_bf16<0, 4, 6>();
+    if constexpr (NB > 1) T::template dp_bf16<1, 4, 7>();
+    if constexpr (NA > 1) T::template dp_bf16<2, 5, 6>();
+    if constexpr (NA > 1 && NB > 1) T::template dp_bf16<3, 5, 7>();
+  }
+  T::template store<0>(c[0], ldc);
+  if constexpr (NB > 1) T::template store<1>(c[1], ldc);
+  if constexpr (NA > 1) T::template store<2>(c[2], ldc);
+  if constexpr (NA > 1 && NB > 1) T::template store<3>(c[3], ldc);
+}
+
+template <class T>
+void amx_products(int na, int nb, const uint8_t* const* a, const int64_t* lda, int64_t astep, const uint8_t* const* b,
+                  int64_t ldb, int64_t bstep, int64_t steps, float* const* c, int64_t ldc, bool load_c) {
+  if (na == 2 && nb == 2) amx_block<T, 2, 2>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
+  else if (na == 2) amx_block<T, 2, 1>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
+  else if (nb == 2) amx_block<T, 1, 2>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
+  else amx_block<T, 1, 1>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
+}
+
+// 16 float32 lanes rounded to bf16 (nearest even; finite values), as to_bf16.
+inline __m256i bf16x16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                                         _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+inline __m512 select_ps(__m512 a, __mmask16 k, __m512 b) {  // lanes of b where k, else of a
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_castps_si512(a), k, _mm512_castps_si512(b)));
+}
+
+// attend's AMX form (same contract; Qb: the unscaled query rows as bf16 pairs in zero-padded register groups,
+// pack_pairs_t; qscale applied to the scores). T: AmxHw or AmxEmu.
+template <class T>
+void attend_amx(const uint32_t* Qb, float qscale, int rows, const int64_t* lim, const KVSource& K, const KVSource& V,
+                const int32_t* table, int64_t kvh, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
+                float* l, float* A, int64_t lda) {
+  const int64_t Dk = K.dim, Dv = V.dim, pairs = Dk / 2, groups = (rows + kGroup - 1) / kGroup, rp = groups * kGroup;
+  const int64_t ksteps = Dk / 32, rs = K.stok * K.esz, ctiles = Dv / 16;
+  float* O = sc.o.data();
+  for (int64_t r = 0; r < rp; ++r) {
+    if (r < rows) std::memcpy(O + r * Dv, A + r * lda, Dv * sizeof(float));
+    else std::fill(O + r * Dv, O + r * Dv + Dv, 0.f);
+  }
+  const __m512i pair_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512 ninf = _mm512_set1_ps(kNegInf), sv = _mm512_set1_ps(qscale);
+  const TileConfig cfg = full_tiles();
+  T::config(&cfg);
+  for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
+    const int nb = (int)std::min<int64_t>(kv_block, k1 - n0);
+    const int64_t ldk = (nb + 15) / 16 * 16, ldk32 = (nb + 31) / 32 * 32, ktiles = ldk / 16;
+    for (int j = 0; j < nb; ++j) {
+      sc.krow[j] = K.row(table, n0 + j, kvh);
+      sc.vrow[j] = V.row(table, n0 + j, kvh);
+    }
+    for (int64_t t = 0; t < ktiles; ++t) {  // QK's A tiles: 16 keys each, in place where evenly spaced
+      const int64_t j0 = 16 * t;
+      bool even = j0 + 16 <= nb;
+      for (int i = 1; even && i < 16; ++i) even = sc.krow[j0 + i] == sc.krow[j0] + i * rs;
+      if (even) {
+        sc.ka[t] = sc.krow[j0], sc.kld[t] = rs;
+        continue;
+      }
+      uint16_t* st = sc.kst.data() + t * 16 * Dk;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (j0 + i < nb) std::memcpy(st + i * Dk, sc.krow[j0 + i], Dk * 2);
+        else std::fill(st + i * Dk, st + (i + 1) * Dk, (uint16_t)0);
+      }
+      sc.ka[t] = reinterpret_cast<const uint8_t*>(st), sc.kld[t] = Dk * 2;
+    }
+    float* St = sc.s.data();  // group g: [ldk keys][16 rows] at St + g·ldk·16
+    for (int64_t t = 0; t < ktiles; t += 2) {
+      const int na = (int)std::min<int64_t>(2, ktiles - t);
+      for (int64_t g = 0; g < groups; g += 2) {
+        const int nq = (int)std::min<int64_t>(2, groups - g);
+        const uint8_t* a[2] = {sc.ka[t], na > 1 ? sc.ka[t + 1] : nullptr};
+        const int64_t la[2] = {sc.kld[t], na > 1 ? sc.kld[t + 1] : 0};
+        const uint8_t* b[2] = {reinterpret_cast<const uint8_t*>(Qb + g * pairs * kGroup),
+                               reinterpret_cast<const uint8_t*>(Qb + (g + nq - 1) * pairs * kGroup)};
+        float* c[4] = {St + g * ldk * 16 + t * 256, St + (g + nq - 1) * ldk * 16 + t * 256,
+                       St + g * ldk * 16 + (t + na - 1) * 256, St + (g + nq - 1) * ldk * 16 + (t + na - 1) * 256};
+        amx_products<T>(na, nq, a, la, 64, b, 64, 1024, ksteps, c, 64, false);
+      }
+    }
+    // online softmax per row group, down the keys (rows in the lanes); the probabilities over the scores
+    for (int64_t g = 0; g < groups; ++g) {
+      float* sg = St + g * ldk * 16;
+      alignas(64) float visf[16], mof[16], lof[16], alf[16];
+      int maxvis = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = g * 16 + i;
+        const int v = r < rows ? (int)std::clamp<int64_t>(lim[r] - n0, 0, nb) : 0;
+        visf[i] = (float)v, maxvis = std::max(maxvis, v);
+        mof[i] = r < rows ? m[r] : kNegInf, lof[i] = r < rows ? l[r] : 0.f;
+      }
+      const __m512 visv = _mm512_load_ps(visf), mo = _mm512_load_ps(mof);
+      __m512 bm = ninf;
+      for (int j = 0; j < maxvis; ++j) {
+        const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)j), visv, _CMP_LT_OQ);
+        const __m512 s = select_ps(ninf, live, _mm512_mul_ps(_mm512_loadu_ps(sg + 16 * j), sv));
+        _mm512_storeu_ps(sg + 16 * j, s);
+        bm = _mm512_max_ps(bm, s);
+      }
+      // raise the max where this block passes it by more than kLazyMax (from −inf: any visible key)
+      const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(mo, _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
+      const __mmask16 had = _mm512_cmp_ps_mask(mo, ninf, _CMP_GT_OQ);
+      const __m512 mn = select_ps(mo, up, bm);
+      const __m512 alpha = select_ps(_mm512_set1_ps(1.f), up, _mm512_maskz_mov_ps(had, exp512(_mm512_sub_ps(mo, mn))));
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < maxvis; ++j) {
+        const __m512 s = _mm512_loadu_ps(sg + 16 * j);
+        const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, ninf, _CMP_GT_OQ), exp512(_mm512_sub_ps(s, mn)));
+        _mm512_storeu_ps(sg + 16 * j, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      for (int64_t j = maxvis; j < ldk; ++j) _mm512_storeu_ps(sg + 16 * j, _mm512_setzero_ps());
+      _mm512_store_ps(lof, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(lof), alpha), sum));
+      _mm512_store_ps(mof, mn);
+      _mm512_store_ps(alf, alpha);
+      for (int i = 0; i < 16 && g * 16 + i < rows; ++i) {
+        const int64_t r = g * 16 + i;
+        m[r] = mof[i], l[r] = lof[i];
+        if (alf[i] != 1.f) {  // the max moved: this row's output so far to the new max
+          const __m512 av = _mm512_set1_ps(alf[i]);
+          for (int64_t c = 0; c < Dv; c += 16) _mm512_storeu_ps(O + r * Dv + c, _mm512_mul_ps(_mm512_loadu_ps(O + r * Dv + c), av));
+        }
+      }
+      // PV's A tiles: the group's probabilities as bf16 rows [16 rows][ldk32 keys] (zero past ldk)
+      uint16_t* pg = sc.pbf.data() + g * 16 * ldk32;
+      __m512 in[16], o[16];
+      for (int64_t j0 = 0; j0 < ldk32; j0 += 16) {
+        if (j0 >= ldk) {
+          for (int r = 0; r < 16; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + r * ldk32 + j0), _mm256_setzero_si256());
+          continue;
+        }
+        for (int i = 0; i < 16; ++i) in[i] = _mm512_loadu_ps(sg + (j0 + i) * 16);
+        transpose16(in, o);  // o[r]: row r's probabilities of keys j0 .. j0 + 15
+        for (int r = 0; r < 16; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + r * ldk32 + j0), bf16x16(o[r]));
+      }
+    }
+    // PV's B tiles: V's key pairs interleaved, [ldk32 / 2][Dv] units (zero past the block)
+    uint32_t* Vp = sc.vp.data();
+    for (int64_t i = 0; i < ldk32 / 2; ++i) {
+      const int64_t j = 2 * i;
+      const uint16_t* v0 = j < nb ? reinterpret_cast<const uint16_t*>(sc.vrow[j]) : nullptr;
+      const uint16_t* v1 = j + 1 < nb ? reinterpret_cast<const uint16_t*>(sc.vrow[j + 1]) : nullptr;
+      for (int64_t c = 0; c < Dv; c += 16) {
+        const __m256i x0 = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c)) : _mm256_setzero_si256();
+        const __m256i x1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c)) : _mm256_setzero_si256();
+        _mm512_storeu_si512(reinterpret_cast<void*>(Vp + i * Dv + c),
+                            _mm512_permutex2var_epi16(_mm512_castsi256_si512(x0), pair_idx, _mm512_castsi256_si512(x1)));
+      }
+    }
+    const int64_t lp = ldk32 * 2;
+    for (int64_t g = 0; g < groups; g += 2) {
+      const int na = (int)std::min<int64_t>(2, groups - g);
+      const uint8_t* a[2] = {reinterpret_cast<const uint8_t*>(sc.pbf.data() + g * 16 * ldk32),
+                             reinterpret_cast<const uint8_t*>(sc.pbf.data() + (g + na - 1) * 16 * ldk32)};
+      const int64_t la[2] = {lp, lp};
+      for (int64_t ct = 0; ct < ctiles; ct += 2) {
+        const int nc = (int)std::min<int64_t>(2, ctiles - ct);
+        const uint8_t* b[2] = {reinterpret_cast<const uint8_t*>(Vp + ct * 16),
+                               reinterpret_cast<const uint8_t*>(Vp + (ct + nc - 1) * 16)};
+        float* c[4] = {O + g * 16 * Dv + ct * 16, O + g * 16 * Dv + (ct + nc - 1) * 16,
+                       O + (g + na - 1) * 16 * Dv + ct * 16, O + (g + na - 1) * 16 * Dv + (ct + nc - 1) * 16};
+        amx_products<T>(na, nc, a, la, 64, b, Dv * 4, 16 * Dv * 4, ldk32 / 32, c, Dv * 4, true);
+      }
+    }
+  }
+  T::release();
+  for (int r = 0; r < rows; ++r) std::memcpy(A + r * lda, O + r * Dv, Dv * sizeof(float));
+}
+
+// The QK / PV instruction of a call (cpu_attn_isa, as isa.cpp's rule for the weights), for a bf16 cache
+// whose key rows have an even length: AMX tiles (key dims a multiple of 32, value dims of 16), else
+// vdpbf16ps, each on its C++ model under emulation; asked for (amx: AMX where it runs, else as avx512bf16;
+// avx512bf16), or with auto where the queries hold bf16 values already (nothing is rounded that the model
+// did not round: only the probabilities are, before the PV product). Else float32 FMAs.
+int attn_dot(const Knobs& kn, bool bf16_cache, int64_t Dk, int64_t Dv, const float* q, int64_t n) {
   if (!bf16_cache || Dk % 2 != 0 || kn.attn_isa == kAttnIsaAvx512) return kNoDot;
   const unsigned have = usable_features(), emu = emulated_features();
-  const int d = (emu & kFeatBf16) ? kDotModel : (have & kFeatBf16) ? kDotHw : kNoDot;
-  if (d == kNoDot || kn.attn_isa == kAttnIsaDot) return d;
+  const int x = (Dk % 32 != 0 || Dv % 16 != 0) ? kNoDot : (emu & kFeatAmx) ? kDotAmxModel : (have & kFeatAmx) ? kDotAmx : kNoDot;
+  const int b = (emu & kFeatBf16) ? kDotModel : (have & kFeatBf16) ? kDotHw : kNoDot;
+  const int d = kn.attn_isa == kAttnIsaDot ? b : x != kNoDot ? x : b;
+  if (d == kNoDot || kn.attn_isa != kAttnIsaAuto) return d;
   __m512i low = _mm512_setzero_si512();  // auto: any query bits below a bf16's?
   for (int64_t i = 0; i < n; i += 16)
     low = _mm512_or_si512(low, _mm512_maskz_loadu_epi32(tail_mask16(n - i), q + i));
   return _mm512_test_epi32_mask(low, _mm512_set1_epi32(0xFFFF)) ? kNoDot : d;
+}
+
+inline unsigned attn_used(int dot) {
+  return dot == kDotHw ? kUsedBf16 : dot == kDotModel ? kUsedBf16Model : dot == kDotAmx ? kUsedAmx
+         : dot == kDotAmxModel ? kUsedAmxModel : kUsedAvx512;
 }
 
 // The rows' online-softmax state over keys [k0, k1) of one sequence. Qt: the pre-scaled queries in
@@ -326,6 +566,11 @@ template <int DT>
 void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows, const int64_t* lim,
             const KVSource& K, const KVSource& V, const int32_t* table, int64_t kvh, int64_t k0, int64_t k1,
             int64_t kv_block, bool blas, Scratch& sc, float* m, float* l, float* A, int64_t lda) {
+  if constexpr (DT == kBF16) {  // (attn_dot takes the AMX form for a bf16 cache only)
+    if (dot == kDotAmx) return attend_amx<AmxHw>(Qb, qscale, rows, lim, K, V, table, kvh, k0, k1, kv_block, sc, m, l, A, lda);
+    if (dot == kDotAmxModel)
+      return attend_amx<AmxEmu>(Qb, qscale, rows, lim, K, V, table, kvh, k0, k1, kv_block, sc, m, l, A, lda);
+  }
   const int64_t Dk = K.dim, Dv = V.dim, pairs = Dk / 2;
   if (dot) blas = false;
   // V the leading columns of the K rows (MLA's latent): one conversion serves both products.
@@ -501,17 +746,18 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   Scratch::grow(q_buf, nq * qsize);
   float* const qpacked = q_buf.data();
   // the dot form (attn_dot): the query rows as bf16 pairs instead, rows × Dk / 2 units per head block
-  const int dot = attn_dot(kn, DT == kBF16, Dk, q, B * H * Dk);
+  const int dot = attn_dot(kn, DT == kBF16, Dk, Dv, q, B * H * Dk);
   const int64_t qbsize = (hf + kGroup - 1) / kGroup * kGroup * (Dk / 2);
   static thread_local std::vector<uint32_t> qb_buf;
   if (dot) Scratch::grow(qb_buf, nq * qbsize);
   uint32_t* const qbpacked = qb_buf.data();
-  note_used(dot == kDotHw ? kUsedBf16 : dot == kDotModel ? kUsedBf16Model : kUsedAvx512);
+  note_used(attn_used(dot));
 #pragma omp parallel
   {
     DenormalScope daz(dot == kDotModel);
     const bool blas = !dot && hf >= kn.attn_blas_rows;
-    const int64_t kvb = blas ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;  // keys per block, for the path taken
+    // keys per block, for the path taken (the sgemm and AMX forms convert whole blocks)
+    const int64_t kvb = blas || dot >= kDotAmx ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;
     Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
@@ -572,8 +818,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
                  int64_t kv_len, float scale, const Knobs& kn, float* out) {
   const int64_t Hkv = K.heads, Hg = H / Hkv, Dk = K.dim, Dv = V.dim, prefix = kv_len - T;
   const int64_t qb = kn.attn_extend_q_block, ntile = (T + qb - 1) / qb, tasks = ntile * H;
-  const int dot = attn_dot(kn, DT == kBF16, Dk, q, T * H * Dk);
-  note_used(dot == kDotHw ? kUsedBf16 : dot == kDotModel ? kUsedBf16Model : kUsedAvx512);
+  const int dot = attn_dot(kn, DT == kBF16, Dk, Dv, q, T * H * Dk);
+  note_used(attn_used(dot));
 #pragma omp parallel
   {
     DenormalScope daz(dot == kDotModel);

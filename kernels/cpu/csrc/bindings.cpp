@@ -46,7 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles);
   py::enum_<moetune::AttnIsa>(m, "AttnIsa")
       .value("auto", moetune::kAttnIsaAuto).value("avx512", moetune::kAttnIsaAvx512)
-      .value("avx512bf16", moetune::kAttnIsaDot);
+      .value("avx512bf16", moetune::kAttnIsaDot)
+      .value("amx", moetune::kAttnIsaAmx);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")

@@ -37,8 +37,9 @@ enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
 // rows are in L1 (tiles: the memory stream of the next rows overlaps the later groups' arithmetic).
 enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1 };
 // cpu_attn_isa: the attention products' instruction (attention.cpp's attn_dot): float32 FMAs (avx512),
-// vdpbf16ps on bf16 pairs (avx512bf16), auto: avx512bf16 where the CPU has it and the queries are bf16.
-enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2 };
+// vdpbf16ps on bf16 pairs (avx512bf16), AMX tiles (amx: TDPBF16PS), auto: amx, else avx512bf16, where the
+// CPU has it and the queries are bf16.
+enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAttnIsaAmx = 3 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };

@@ -113,7 +113,7 @@ void Knobs::check() const {
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
-  TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaDot, "attn_isa must be set");
+  TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaAmx, "attn_isa must be set");
   TORCH_CHECK(unpack_gemm >= kUnpackGemmAuto && unpack_gemm <= kUnpackGemmFma, "unpack_gemm must be set");
 }
 
