@@ -464,7 +464,8 @@ def test_amx_form(op, case):
 # (lens, heads, R, P, block size): 16-key tiles in place (block sizes 16, 64) or copied (1, 4, and across
 # blocks out of order), row groups of 16 with remainders (1, 5, 17, 40 heads), the lazy max's moves
 AMX_MLA = {"bs1_h17": ([33, 5, 1], 17, 64, 32, 1), "bs4_h5": ([70, 129], 5, 64, 32, 4),
-           "bs16_h40": ([300, 16, 31], 40, 128, 32, 16), "bs64_h1": ([257, 64], 1, 64, 32, 64)}
+           "bs16_h40": ([300, 16, 31], 40, 128, 32, 16), "bs64_h1": ([257, 64], 1, 64, 32, 64),
+           "b1_bs16_h16": ([140], 16, 512, 64, 16)}
 
 
 def amx_mla_inputs(case: str, rising: float = 0.0):
@@ -546,3 +547,26 @@ def test_native_amx_attention_equals_its_model(op, case):
     model, _ = on_amx(getattr(cpu, op), *args)
     check(native, model, 1e-4, f"native vs model {op} {case}")
     check(native, getattr(reference, op)(*args), DOT, f"native amx {op} {case}")
+
+
+def test_amx_one_sequence_splits_its_keys_in_whole_tiles():
+    """One sequence of 16 heads on 2 threads: one head block, so the AMX form cuts the keys into 2 pieces of
+    whole 16-key tiles (≥ 32 keys, however long its blocks): both within the bound, and not the bits of one
+    piece (the split happened); 20 keys stay one piece (the same bits as forbidding splits)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = amx_mla_inputs("b1_bs16_h16")
+        one, _ = on_amx(cpu.mla_decode, *args, knobs={"cpu_attn_kv_splits": 1})
+        two, _ = on_amx(cpu.mla_decode, *args, knobs={"cpu_attn_kv_splits": 8})
+        want = reference.mla_decode(*args)
+        check(one, want, DOT, "one piece")
+        check(two, want, DOT, "two pieces")
+        assert not same_bits(one.float(), two.float())
+        short = args[:4] + (torch.tensor([20], dtype=torch.int32),) + args[5:]
+        a, _ = on_amx(cpu.mla_decode, *short, knobs={"cpu_attn_kv_splits": 1})
+        b, _ = on_amx(cpu.mla_decode, *short, knobs={"cpu_attn_kv_splits": 8})
+        assert same_bits(a, b)
+        check(b, reference.mla_decode(*short), DOT, "20 keys")
+    finally:
+        torch.set_num_threads(old)
