@@ -378,14 +378,6 @@ void amx_products(int na, int nb, const uint8_t* const* a, const int64_t* lda, i
   else amx_block<T, 1, 1>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
 }
 
-// 16 float32 lanes rounded to bf16 (nearest even; finite values), as to_bf16.
-inline __m256i bf16x16(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
-                                                         _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 inline __m512 select_ps(__m512 a, __mmask16 k, __m512 b) {  // lanes of b where k, else of a
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_castps_si512(a), k, _mm512_castps_si512(b)));
 }
