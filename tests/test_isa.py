@@ -377,6 +377,24 @@ def test_vnni_linear_equals_the_int16_path_bitwise_and_the_reference(fmt, shape)
             assert used == "vnni" and torch.equal(native, model)
 
 
+@pytest.mark.parametrize("k", [128, 2048 + 5, 256 * 128, 256 * 128 + 1])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_vnni_int4_both_loops_of_the_group_kernel(k, tokens):
+    """micro_int4b_dp's per-tile scale products (up to 256 groups of 128: rows of 32768) and its loop for
+    longer rows: both bitwise the int16 path's, on the model and the instruction."""
+    g = torch.Generator().manual_seed(k + tokens)
+    w = make_weight(torch.randn(9, k, generator=g) * 0.05, "int4_g128")
+    x = torch.randn(tokens, k, generator=g)
+    knobs = {"cpu_micro_tokens": tokens}
+    base, _ = run_linear(x, w, {**knobs, "cpu_int8_isa": "avx512"})
+    model, used = run_linear(x, w, {**knobs, "cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])
+    assert used == "vnni-model" and torch.equal(model, base)
+    check(model, reference.linear(x, w), tight("int4_g128"), f"vnni int4 k={k}")
+    if "avx512_vnni" in HAS:
+        native, used = run_linear(x, w, {**knobs, "cpu_int8_isa": "vnni"})
+        assert used == "vnni" and torch.equal(native, model)
+
+
 @pytest.mark.parametrize("fmt", VNNI_FORMATS)
 @pytest.mark.parametrize("rows,tokens", ROWS_TOKENS)
 def test_vnni_every_microkernel_instantiation(fmt, rows, tokens):
