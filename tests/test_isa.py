@@ -379,9 +379,9 @@ def test_vnni_linear_equals_the_int16_path_bitwise_and_the_reference(fmt, shape)
 
 @pytest.mark.parametrize("k", [128, 2048 + 5, 256 * 128, 256 * 128 + 1])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_vnni_int4_both_loops_of_the_group_kernel(k, tokens):
-    """micro_int4b_dp's per-tile scale products (up to 256 groups of 128: rows of 32768) and its loop for
-    longer rows: both bitwise the int16 path's, on the model and the instruction."""
+def test_vnni_int4_group_kernel_in_chunks_of_scale_products(k, tokens):
+    """micro_int4b_dp's scale products, computed for up to 256 groups of 128 at a time (rows of 32768), and
+    a second chunk for longer rows: bitwise the int16 path's, on the model and the instruction."""
     g = torch.Generator().manual_seed(k + tokens)
     w = make_weight(torch.randn(9, k, generator=g) * 0.05, "int4_g128")
     x = torch.randn(tokens, k, generator=g)

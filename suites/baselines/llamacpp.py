@@ -101,18 +101,21 @@ class LlamaCpp(GgufEngine):
         as its CLI's `--no-repack`, the reason in settings["repack_note"]."""
         require_llama_cpp()
         args = {"threads": threads, "n_ctx": n_ctx, "n_batch": n_batch}
-        note, loaded = None, False
+        start = lambda on: super(LlamaCpp, self).__init__([sys.executable, str(WORKER)], gguf,  # noqa: E731
+                                                          {**args, "repack": on})
+        note = None
         if repack is None:
             try:
-                super().__init__([sys.executable, str(WORKER)], gguf, {**args, "repack": True})
+                start(True)
                 self.greedy([1, 2], 1)  # the first decode: where the scheduler finds no back end for an op
-                repack = loaded = True
+                repack = True
             except BaselineError as e:
                 self.worker.close()
                 note = f"repacking off: with it, llama.cpp's worker failed its first decode ({str(e)[:200]})"
                 repack = False
-        if not loaded:
-            super().__init__([sys.executable, str(WORKER)], gguf, {**args, "repack": bool(repack)})
+                start(False)
+        else:
+            start(bool(repack))
         self.settings = {"engine": "llama.cpp", "threads": threads, "n_ctx": n_ctx, "n_batch": n_batch,
                          "repack": bool(repack), **({"repack_note": note} if note else {}),
                          "gguf": gguf.name, "version": self.info["llama_cpp_python"],

@@ -292,27 +292,6 @@ struct SumsOut {
   }
 };
 
-// One K step of the 2 × 2 block: C(i, j) += A(i) · B(j) for A tiles 4 / 5 and B tiles 6 / 7 (only B tile 6,
-// into C tiles 0 and 2, unless `two`).
-template <class T, bool Int8>
-MOETUNE_AMX inline void products(bool two) {
-  if constexpr (Int8) {
-    T::template dp_int8<0, 4, 6>();
-    T::template dp_int8<2, 5, 6>();
-    if (two) {
-      T::template dp_int8<1, 4, 7>();
-      T::template dp_int8<3, 5, 7>();
-    }
-  } else {
-    T::template dp_bf16<0, 4, 6>();
-    T::template dp_bf16<2, 5, 6>();
-    if (two) {
-      T::template dp_bf16<1, 4, 7>();
-      T::template dp_bf16<3, 5, 7>();
-    }
-  }
-}
-
 // One K step: A tiles 4 / 5 from a0 / a1 (rows lda bytes apart), B tiles 6 (and 7 if `two`) from b0 / b1
 // (64-byte rows), then the products.
 template <class T, bool Int8>
@@ -321,8 +300,12 @@ MOETUNE_AMX inline void tile_step(const uint8_t* a0, const uint8_t* a1, int64_t 
   T::template load<4>(a0, lda);
   T::template load<5>(a1, lda);
   T::template load<6>(b0, 64);
-  if (two) T::template load<7>(b1, 64);
-  products<T, Int8>(two);
+  if (two) {
+    T::template load<7>(b1, 64);
+    tile_products<T, Int8, 2, 2>();
+  } else {
+    tile_products<T, Int8, 2, 1>();
+  }
 }
 
 // The four sum tiles to memory (rows `stride` bytes apart): tile q at c + (q % 2)·h + (q / 2)·r int32s.

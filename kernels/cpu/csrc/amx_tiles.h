@@ -108,5 +108,20 @@ struct AmxEmu {
   }
 };
 
+// One product step of a block of NA ≤ 2 A tiles (tmm4 / 5) × NB ≤ 2 B tiles (tmm6 / 7) into the sum tiles
+// 2i + j (tmm0-3): TDPBSSD (Int8) or TDPBF16PS.
+template <class T, bool Int8, int C, int A, int B>
+MOETUNE_AMX inline void tile_dp() {
+  if constexpr (Int8) T::template dp_int8<C, A, B>();
+  else T::template dp_bf16<C, A, B>();
+}
+template <class T, bool Int8, int NA, int NB>
+MOETUNE_AMX inline void tile_products() {
+  tile_dp<T, Int8, 0, 4, 6>();
+  if constexpr (NB > 1) tile_dp<T, Int8, 1, 4, 7>();
+  if constexpr (NA > 1) tile_dp<T, Int8, 2, 5, 6>();
+  if constexpr (NA > 1 && NB > 1) tile_dp<T, Int8, 3, 5, 7>();
+}
+
 }  // namespace
 }  // namespace moetune

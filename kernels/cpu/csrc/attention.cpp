@@ -358,10 +358,7 @@ MOETUNE_AMX void amx_block(const uint8_t* const* a, const int64_t* lda, int64_t 
     if constexpr (NA > 1) T::template load<5>(a[1] + k * astep, lda[1]);
     T::template load<6>(b[0] + k * bstep, ldb);
     if constexpr (NB > 1) T::template load<7>(b[1] + k * bstep, ldb);
-    T::template dp_bf16<0, 4, 6>();
-    if constexpr (NB > 1) T::template dp_bf16<1, 4, 7>();
-    if constexpr (NA > 1) T::template dp_bf16<2, 5, 6>();
-    if constexpr (NA > 1 && NB > 1) T::template dp_bf16<3, 5, 7>();
+    tile_products<T, false, NA, NB>();
   }
   T::template store<0>(c[0], ldc);
   if constexpr (NB > 1) T::template store<1>(c[1], ldc);

@@ -129,15 +129,15 @@ inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-// dst[i] = x[i] rounded to bfloat16 (nearest even; finite values: attention's queries and
-// probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16), n values.
-// 16 float32 lanes rounded to bf16 the same way.
+// 16 float32 lanes rounded to bfloat16 (nearest even; finite values: attention's queries and
+// probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16).
 inline __m256i bf16x16(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
   const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
                                                          _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
+// dst[i] = x[i] rounded so, n values.
 inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask16(n - i);

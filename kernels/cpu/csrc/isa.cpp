@@ -45,7 +45,9 @@ void set_emulated_features(int64_t mask) {
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16) {
   const unsigned have = usable_features(), emu = emulated_features();
   auto pick = [&](unsigned feat, int native, int model) { return (emu & feat) ? model : (have & feat) ? native : kDotNone; };
-  if ((fmt == kInt8 && has_wsum) || (fmt == kInt4 && int4_i8)) {
+  // INT4: micro_int4b_dp takes one group of 128 per step (the int8 method's only group in INT4_GROUPS; a
+  // longer one keeps the int16 path)
+  if ((fmt == kInt8 && has_wsum) || (fmt == kInt4 && int4_i8 && group == 128)) {
     if (kn.int8_isa == kInt8IsaAvx512) return kDotNone;
     return pick(kFeatVnni, kDotVnni, kDotVnniModel);
   }

@@ -550,7 +550,7 @@ bool unpack_gemm_fma(const Knobs& kn) {
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
   if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
-    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    note_used(amx_used(amx));
     return gemm_tiles_run(x_act, W, amx, amx_opts(kn));
   }
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
@@ -599,8 +599,7 @@ int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   if (W.fmt != kInt8) return -1;
   const int amx = amx_engine(W, kn, M), engine = amx >= 0 ? amx : gemm_dot_engine(W, kn);
   if (engine < 0) return -1;
-  note_used(engine == kTilesAmx        ? kUsedAmx
-            : engine == kTilesAmxModel ? kUsedAmxModel
+  note_used(amx >= 0                   ? amx_used(amx)
             : engine == kTilesMaddubs  ? kUsedMaddubs
             : engine == kTilesDot      ? kUsedVnni
                                        : kUsedVnniModel);
@@ -620,7 +619,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   if (const int amx = gemm && (W.fmt == kBF16 || W.fmt == kFp8) && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
     // AMX on the caller's bf16 rows (FP8: the weight expanded to bf16 as it is packed), a bf16 output: no
     // float32 copy either way
-    note_used(amx == kTilesAmx ? kUsedAmx : kUsedAmxModel);
+    note_used(amx_used(amx));
     return gemm_tiles_run(x.contiguous(), W, amx, amx_opts(kn), true);
   }
   if (gemm && W.fmt == kBF16 && W.act_bf16 && bf16_gemm_onednn(kn, true)) {

@@ -94,6 +94,8 @@ enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTiles
 // or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 weights under cpu_bf16_gemm amx or auto, from
 // amx_min_tokens rows (BF16 auto: bf16 activations), where the CPU has AMX under the feature mask (isa.cpp).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M);
+// The call record's note for an AMX engine (the tiles, or their model).
+inline unsigned amx_used(int engine) { return engine == kTilesAmx ? kUsedAmx : kUsedAmxModel; }
 // How the AMX GEMM runs (from the knobs: amx_opts): K passes of k_block bytes over packed weight blocks (0:
 // all of K at once); up to direct_max rows, the weight rows read as tiles where they lie, no packing, each
 // row prefetched `prefetch` bytes ahead (0: none).
