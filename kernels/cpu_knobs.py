@@ -114,9 +114,11 @@ CPU_KNOBS: tuple[Knob, ...] = (
     Knob("cpu_int8_isa", str, "auto", "kernels/cpu",
          "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
          "vpdpbusd (AVX512-VNNI) on activations + 128 (64 products per instruction, exact), avx512: "
-         "vpmaddwd / vpmaddubsw (any AVX-512 CPU), auto: vnni where the CPU has it. A variant the CPU "
-         "lacks falls back to avx512 at the call (the call record says which ran)",
-         choices=("auto", "avx512", "vnni")),
+         "INT8 on int16 vpmaddwd (INT4 on vpmaddubsw), maddubs: INT8 on vpmaddubsw + vpmaddwd with the "
+         "sign trick, |w| times x negated where w < 0 (exact, any CPU the kernels run on), auto: vnni "
+         "where the CPU has it, else maddubs in the AVX2 build and avx512 in the AVX-512 one. vnni where "
+         "the CPU lacks it falls back to avx512 at the call (the call record says which ran)",
+         choices=("auto", "avx512", "vnni", "maddubs")),
     Knob("cpu_bf16_isa", str, "auto", "kernels/cpu",
          "CPU BF16 and FP8 weights, microkernels: the dot-product instruction; avx512bf16: vdpbf16ps "
          "(AVX512-BF16) on activations rounded to bf16 (FP8: expanded to bf16 in registers), avx512: "
@@ -217,7 +219,7 @@ PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # being the base paths of either build, kernels/cpu_build.py: AVX-512, or its C++ model on AVX2)
 # (cpu_bf16_gemm's and cpu_fp8_gemm's onednn runs anywhere: oneDNN dispatches its own instructions,
 # outside the mask)
-ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni"},
+ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni", "maddubs": None},
                 "cpu_bf16_isa": {"avx512": None, "avx512bf16": "avx512_bf16"},
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},

@@ -45,6 +45,9 @@ UNPACK = "fma" if cpu._ext.BUILD == "avx2" else "blas"
 # what the INT8 / INT4 GEMM path records under cpu_int8_gemm / cpu_int4_gemm=auto where no VNNI runs:
 # the vpmaddubsw engine in the AVX2 build, the unpack path in the AVX-512 one
 AUTO_INT_GEMM = "maddubs" if cpu._ext.BUILD == "avx2" else UNPACK
+# what an INT8 microkernel records under cpu_int8_isa=auto where no VNNI runs: vpmaddubsw in the AVX2 build,
+# the int16 vpmaddwd kernel in the AVX-512 one
+AUTO_INT8_MICRO = "maddubs" if cpu._ext.BUILD == "avx2" else "avx512"
 MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
 ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
 
@@ -184,7 +187,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 assert set(cpu.runnable_choices(knob)) <= {"auto", "avx512", "unpack"} | allowed_variants(mask)
             for (fmt, w), t, dtype in itertools.product(weights.items(), (1, 5, 40), (torch.float32, torch.bfloat16)):
                 x = torch.randn(t, 256, generator=g).to(dtype)
-                for int8_isa, bf16_isa in itertools.product(("auto", "avx512", "vnni"), ("auto", "avx512", "avx512bf16")):
+                for int8_isa, bf16_isa in itertools.product(("auto", "avx512", "vnni", "maddubs"), ("auto", "avx512", "avx512bf16")):
                     with cpu.recording() as rec:
                         cpu.linear(x, w, knobs={"cpu_int8_isa": int8_isa, "cpu_bf16_isa": bf16_isa,
                                                 "cpu_amx_min_tokens": 1})
@@ -234,10 +237,13 @@ def test_auto_and_requested_variants_resolve_to_the_best_present():
     w = formats.quantize_int8_channel(torch.randn(64, 256))
     x = torch.randn(1, 256)
     vnni = "avx512_vnni" in HAS
-    assert run_linear(x, w, {"cpu_int8_isa": "auto"})[1] == ("vnni" if vnni else "avx512")
+    assert run_linear(x, w, {"cpu_int8_isa": "auto"})[1] == ("vnni" if vnni else AUTO_INT8_MICRO)
     assert run_linear(x, w, {"cpu_int8_isa": "vnni"})[1] == ("vnni" if vnni else "avx512")
     assert run_linear(x, w, {"cpu_int8_isa": "avx512"})[1] == "avx512"
+    assert run_linear(x, w, {"cpu_int8_isa": "maddubs"})[1] == "maddubs"
     with cpu.feature_mask(set()):
+        assert run_linear(x, w, {"cpu_int8_isa": "auto"})[1] == AUTO_INT8_MICRO
+        assert run_linear(x, w, {"cpu_int8_isa": "maddubs"})[1] == "maddubs"  # needs nothing beyond the build
         assert run_linear(x, w, {"cpu_int8_isa": "vnni"})[1] == "avx512"
         assert cpu.isa_variants()["cpu_int8_isa"]["vnni"] == "unavailable"
         assert run_linear(x, w, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
@@ -259,7 +265,7 @@ def test_the_tuner_searches_only_variants_that_run_here():
         assert cat[knob].choices == cpu.runnable_choices(knob)
         assert all(v == "auto" or cpu.isa_variants()[knob][v] == "native" for v in cat[knob].choices)
     with cpu.feature_mask(set()):
-        assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512")
+        assert runnable_catalogue(cpu)["cpu_int8_isa"].choices == ("auto", "avx512", "maddubs")  # any CPU
         assert runnable_catalogue(cpu)["cpu_bf16_isa"].choices == ("auto", "avx512")
         assert runnable_catalogue(cpu)["cpu_bf16_gemm"].choices == ("auto", "unpack", "onednn")  # anywhere
         assert runnable_catalogue(cpu)["cpu_fp8_gemm"].choices == ("auto", "unpack", "onednn")
@@ -442,6 +448,67 @@ def test_vnni_extreme_values_are_exact():
     check(model, reference.linear(x, w), TIGHT, "vnni extremes")
     if "avx512_vnni" in HAS:
         assert torch.equal(run_linear(x, w, {"cpu_int8_isa": "vnni", "cpu_micro_tokens": 4})[0], model)
+
+
+# ------------------------------------------------------------------ INT8 on vpmaddubsw (cpu_int8_isa=maddubs)
+# |w| · (x negated where w < 0) through vpmaddubsw + vpmaddwd: the same int32 sums as the int16 path, so
+# bitwise its result, on any CPU the kernels run on (AVX-512BW, or AVX2 in that build).
+
+
+@pytest.mark.parametrize("shape", sorted(LINEAR_SHAPES))
+def test_maddubs_int8_linear_equals_the_int16_path_bitwise(shape):
+    t, n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator().manual_seed(3 * t + n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "int8")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(t, k, generator=g).to(dtype)
+        base, used = run_linear(x, w, {"cpu_int8_isa": "avx512"})
+        assert used == "avx512"
+        got, used = run_linear(x, w, {"cpu_int8_isa": "maddubs"})
+        assert used == "maddubs" and torch.equal(got, base), (shape, dtype)
+        check(got, reference.linear(x, w), tight("int8") if dtype == torch.float32 else bf16_bound("int8", BF16_LINEAR),
+              f"maddubs int8 {shape}")
+
+
+@pytest.mark.parametrize("rows,tokens", ROWS_TOKENS)
+def test_maddubs_int8_every_microkernel_instantiation(rows, tokens):
+    g = torch.Generator().manual_seed(rows * 7 + tokens)
+    w = make_weight(torch.randn(37, 1000, generator=g) * 0.05, "int8")
+    x = torch.randn(7, 1000, generator=g)  # full token groups and single-token tails; K: a 40-byte tail
+    knobs = {"cpu_micro_rows": rows, "cpu_micro_tokens": tokens}
+    base, _ = run_linear(x, w, {**knobs, "cpu_int8_isa": "avx512"})
+    got, used = run_linear(x, w, {**knobs, "cpu_int8_isa": "maddubs"})
+    assert used == "maddubs" and torch.equal(got, base)
+    check(got, reference.linear(x, w), tight("int8"), f"maddubs R={rows} MT={tokens}")
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_maddubs_int8_fused_moe(case):
+    t, e, d, i, k, pool = MOE_CASES[case]
+    w13, w2 = moe_weights(e, d, i, "int8")
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(9))
+    base, _ = run_moe(x, w13, w2, tw, ids, {"cpu_int8_isa": "avx512"})
+    got, used = run_moe(x, w13, w2, tw, ids, {"cpu_int8_isa": "maddubs"})
+    assert used == "maddubs" and torch.equal(got, base)
+    check(got, reference.fused_moe(x, w13, w2, tw, ids), tight("int8", op="fused_moe"), f"maddubs moe {case}")
+
+
+def test_maddubs_int8_extreme_values_are_exact():
+    """Weights at −128 (|w| = 128 as the unsigned operand, a pair up to 2·128·127) and 127, activations at
+    ±amax (±127), zero weights, a K tail: equal to the int16 path and the reference."""
+    g = torch.Generator().manual_seed(12)
+    wi = torch.randint(-128, 128, (13, 1001), generator=g, dtype=torch.int8)
+    wi[0], wi[1], wi[2, ::2], wi[3] = -128, 127, -128, 0
+    w = formats.Int8ChannelWeight(wi, torch.rand(13, generator=g) + 0.5)
+    x = torch.randn(4, 1001, generator=g)
+    x[0], x[1, ::3], x[2] = 1.0, -3.0, -1.0
+    for rows in (4, 8):
+        knobs = {"cpu_micro_tokens": 4, "cpu_micro_rows": rows}
+        base, _ = run_linear(x, w, {**knobs, "cpu_int8_isa": "avx512"})
+        got, _ = run_linear(x, w, {**knobs, "cpu_int8_isa": "maddubs"})
+        assert torch.equal(got, base)
+        check(got, reference.linear(x, w), TIGHT, "maddubs extremes")
 
 
 @needs("avx512_vnni")

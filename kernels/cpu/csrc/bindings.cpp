@@ -51,7 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")
-      .value("auto", moetune::kInt8IsaAuto).value("avx512", moetune::kInt8IsaAvx512).value("vnni", moetune::kInt8IsaVnni);
+      .value("auto", moetune::kInt8IsaAuto).value("avx512", moetune::kInt8IsaAvx512).value("vnni", moetune::kInt8IsaVnni).value("maddubs", moetune::kInt8IsaMaddubs);
   py::enum_<moetune::Bf16Isa>(m, "Bf16Isa")
       .value("auto", moetune::kBf16IsaAuto).value("avx512", moetune::kBf16IsaAvx512)
       .value("avx512bf16", moetune::kBf16IsaDot);

@@ -16,11 +16,11 @@ namespace moetune {
 // kInt4b: INT4 by byte products against int8 activations (the "int8" INT4 method)
 // From kInt8Dp on: the dot-product variants (micro_dot.inc), each on the instruction (native) and
 // on its C++ model: INT8 and INT4-int8 through vpdpbusd (AVX512-VNNI), BF16 and FP8 through
-// vdpbf16ps (AVX512-BF16).
+// vdpbf16ps (AVX512-BF16). kInt8Mb: micro_int8_dp on vpmaddubsw (the sign trick; no VNNI needed).
 enum Format : int {
   kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
   kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
-  kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16,
+  kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16, kInt8Mb = 17,
 };
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
@@ -42,7 +42,8 @@ enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1 };
 enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAttnIsaAmx = 3 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
-enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2 };
+// maddubs: INT8 on vpmaddubsw + vpmaddwd with the sign trick (AVX-512BW, or AVX2 in that build).
+enum Int8Isa : int { kInt8IsaAuto = 0, kInt8IsaAvx512 = 1, kInt8IsaVnni = 2, kInt8IsaMaddubs = 3 };
 enum Bf16Isa : int { kBf16IsaAuto = 0, kBf16IsaAvx512 = 1, kBf16IsaDot = 2 };
 // cpu_bf16_gemm: BF16 weights on the GEMM path (many tokens): our unpack + BLAS, or torch's bf16 linear
 // (oneDNN), or our tile GEMM on vdpbf16ps (avx512bf16: amx.cpp's gemm_dot) or on AMX tiles (amx);
@@ -61,7 +62,7 @@ enum Int4Gemm : int { kInt4GemmAuto = 0, kInt4GemmUnpack = 1, kInt4GemmVnni = 2,
 
 // The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
 // features under the mask, and the emulated features).
-enum Dot : int { kDotNone = 0, kDotVnni = 1, kDotVnniModel = 2, kDotBf16 = 3, kDotBf16Model = 4 };
+enum Dot : int { kDotNone = 0, kDotVnni = 1, kDotVnniModel = 2, kDotBf16 = 3, kDotBf16Model = 4, kDotMaddubs = 5 };
 
 // One weight matrix [N, K] (one expert of a stack, or a plain linear).
 struct WeightView {

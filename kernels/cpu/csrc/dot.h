@@ -4,6 +4,7 @@
 // every machine so that the kernel logic around the instruction is tested everywhere (as amx.cpp's
 // tile model).
 #pragma once
+#include <type_traits>
 #include "common.h"
 
 #ifdef MOETUNE_AVX2_BUILD
@@ -68,6 +69,38 @@ struct Bf16Model {
     const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
     acc = _mm512_add_ps(acc, _mm512_mul_ps(a_odd, b_odd));
     return _mm512_add_ps(acc, _mm512_mul_ps(a_even, b_even));
+  }
+};
+
+// vpmaddubsw + vpmaddwd (AVX-512BW, and AVX2 through avx512_model.h): the INT4 kernel's two dot products
+// of one group step (micro_int4b_dp's nibbles_dot) where no VNNI runs. The unsigned side is a nibble
+// (≤ 15), so each byte pair sums to at most 2·15·127 = 3810 and the two pairs' int16 sum to 7620: no
+// saturation, the same int32 lanes as two vpdpbusd, in 5 instructions instead of 2 (the model takes 16).
+struct MaddubsNibbles {};
+
+// vpmaddubsw with the sign trick (as llama.cpp's AVX2 Q8_0 dot): INT8 weights w against int8 activations x
+// (|x| ≤ 127) as |w| (unsigned) · (x negated where w < 0), byte pairs summed into int16 (≤ 2·128·127 =
+// 32512: no saturation), widened to int32 by vpmaddwd with ones: the same int32 lanes as vpdpbusd on
+// x + 128 minus 128·Σw, exact, for CPUs without VNNI (micro_int8_dp, cpu_int8_isa=maddubs).
+struct MaddubsSigned {
+  // x negated where w < 0 (lanes where w = 0 keep x or become 0: |w| = 0 multiplies them)
+  static MOETUNE_INLINE __m512i sign(__m512i x, __m512i w) {
+#ifdef MOETUNE_AVX2_BUILD
+    return {_mm256_sign_epi8(x.lo, w.lo), _mm256_sign_epi8(x.hi, w.hi)};  // vpsignb: AVX2 only
+#else
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+#endif
+  }
+  static MOETUNE_INLINE __m512i abs(__m512i w) {
+#ifdef MOETUNE_AVX2_BUILD
+    return {_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)};
+#else
+    return _mm512_abs_epi8(w);
+#endif
+  }
+  // acc + Σ of 4 products per 32-bit lane, from |w| and sign(x, w)
+  static MOETUNE_INLINE __m512i dot(__m512i acc, __m512i w_abs, __m512i x_signed) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x_signed), _mm512_set1_epi16(1)));
   }
 };
 

@@ -42,14 +42,27 @@ void set_emulated_features(int64_t mask) {
   g_emulated.store((unsigned)mask);
 }
 
+static bool int8_maddubs_auto() {
+#ifdef MOETUNE_AVX2_BUILD
+  return true;
+#else
+  return false;
+#endif
+}
+
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16) {
   const unsigned have = usable_features(), emu = emulated_features();
   auto pick = [&](unsigned feat, int native, int model) { return (emu & feat) ? model : (have & feat) ? native : kDotNone; };
   // INT4: micro_int4b_dp takes one group of 128 per step (the int8 method's only group in INT4_GROUPS; a
   // longer one keeps the int16 path)
-  if ((fmt == kInt8 && has_wsum) || (fmt == kInt4 && int4_i8 && group == 128)) {
+  if (fmt == kInt8 || (fmt == kInt4 && int4_i8 && group == 128)) {
     if (kn.int8_isa == kInt8IsaAvx512) return kDotNone;
-    return pick(kFeatVnni, kDotVnni, kDotVnniModel);
+    if (fmt == kInt8 && kn.int8_isa == kInt8IsaMaddubs) return kDotMaddubs;
+    const int vnni = fmt == kInt4 || has_wsum ? pick(kFeatVnni, kDotVnni, kDotVnniModel) : kDotNone;
+    if (vnni != kDotNone || kn.int8_isa == kInt8IsaVnni) return vnni;
+    // auto without VNNI: INT8 on vpmaddubsw in the AVX2 build (docs/cpu_kernels.md, session 16); the int16
+    // vpmaddwd kernel in the AVX-512 one (unmeasured there against maddubs: equal instruction counts)
+    return fmt == kInt8 && int8_maddubs_auto() ? kDotMaddubs : kDotNone;
   }
   if (fmt == kBF16 || (fmt == kFp8 && group % 64 == 0)) {
     if (kn.bf16_isa == kBf16IsaAvx512 || (kn.bf16_isa == kBf16IsaAuto && !act_bf16)) return kDotNone;
@@ -114,7 +127,7 @@ void reset_used() { t_used = 0; }
 void note_used(unsigned bits) { t_used |= bits; }
 void note_dot(int dot) {
   t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
-            : dot == kDotBf16Model ? kUsedBf16Model : kUsedAvx512;
+            : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs : kUsedAvx512;
 }
 
 std::string used_variants() {

@@ -35,7 +35,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kFp8w: return get_micro_fp8w(rows, tokens);
     case kBF16s: return get_micro_bf16s(rows, tokens);
     case kInt4b: return get_micro_int4b(rows, tokens);
-    case kInt8Dp: case kInt8DpModel: return get_micro_int8_dot(fmt, rows, tokens);
+    case kInt8Dp: case kInt8DpModel: case kInt8Mb: return get_micro_int8_dot(fmt, rows, tokens);
     case kInt4bDp: case kInt4bDpModel: return get_micro_int4_dot(fmt, rows, tokens);
     case kBF16Dp: case kBF16DpModel: return get_micro_bf16_dot(fmt, rows, tokens);
     case kFp8Dp: case kFp8DpModel: return get_micro_fp8_dot(fmt, rows, tokens);
@@ -103,7 +103,7 @@ void Knobs::check() const {
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
                   micro_order >= kOrderGroups && micro_order <= kOrderTiles &&
                   int4_method >= kInt4Float &&
-                  int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaVnni &&
+                  int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaMaddubs &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmAmx && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmAmx &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
@@ -205,12 +205,14 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) quantize_row(src + m * ld, K, q + m * kp, s + m);
     });
-    if (W.dot == kDotVnni || W.dot == kDotVnniModel) {  // the VNNI kernels' unsigned form: q + 128
+    // the dot-product kernels' bytes: q + 128 (VNNI, unsigned) or q itself (vpmaddubsw with the sign trick)
+    if (W.dot == kDotVnni || W.dot == kDotVnniModel || W.dot == kDotMaddubs) {
+      const int bias = W.dot == kDotMaddubs ? 0 : 128;
       p.xu = act_buf(pool, 2, K, {M, kp}, at::kByte, kZeroOnce);
       uint8_t* u = p.xu.data_ptr<uint8_t>();
       at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
         for (int64_t m = b; m < e; ++m)
-          for (int64_t k = 0; k < K; ++k) u[m * kp + k] = (uint8_t)(q[m * kp + k] + 128);
+          for (int64_t k = 0; k < K; ++k) u[m * kp + k] = (uint8_t)(q[m * kp + k] + bias);
       });
     }
     return p;
@@ -340,6 +342,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   const bool vnni = W.dot == kDotVnni || W.dot == kDotVnniModel, bf16dot = W.dot == kDotBf16 || W.dot == kDotBf16Model;
   const bool model = W.dot == kDotVnniModel || W.dot == kDotBf16Model;
   const int fmt = W.fmt == kInt8 && vnni                      ? (model ? kInt8DpModel : kInt8Dp)
+                  : W.fmt == kInt8 && W.dot == kDotMaddubs    ? kInt8Mb
                   : W.fmt == kInt4 && W.int4_i8 && vnni       ? (model ? kInt4bDpModel : kInt4bDp)
                   : W.fmt == kInt4 && W.int4_i8               ? kInt4b
                   : W.fmt == kInt4 && W.int4_int              ? kInt4i

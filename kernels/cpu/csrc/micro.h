@@ -14,11 +14,11 @@ struct Act {
   const float* xs = nullptr;
   const float* gsum = nullptr;
   const float* gsumq = nullptr;  // INT4 integer path: per-group sums of the int16 activations
-  const int8_t* xb = nullptr;    // INT4 int8 path: per-group int8 rows, permuted per 128 (see micro_int4b)
+  const int8_t* xb = nullptr;    // INT4 int8 path: per-group int8 rows, permuted per 128 (see micro_int4b_dp)
   const float* xbs = nullptr;    // ... their per-(token, group) scales [*, gld]
   const float* gsb = nullptr;    // ... and per-(token, group) sums of the dequantized int8 activations
   const float* xp = nullptr;     // FP8 widen path: float rows × 2^60, permuted per 64 (fp8_widen_order)
-  const uint8_t* xu = nullptr;   // INT8 VNNI path: the int8 rows + 128 as uint8 (micro_dot.inc)
+  const uint8_t* xu = nullptr;   // INT8 dot paths: the int8 rows + 128 as uint8 (VNNI), or as they are (maddubs)
   const uint16_t* xh = nullptr;  // BF16 dot path: bf16 rows (FP8: × 2^60, permuted per 64, micro_dot.inc)
   const float* xd = nullptr;     // BF16 split path: float rows de-interleaved per 32 (micro_bf16s)
   int64_t ld = 0, gld = 0;
@@ -289,57 +289,12 @@ void micro_int4i(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
 }
 
 // INT4 weights × int8 activations (the "int8" INT4 method, as llama.cpp's Q4 × Q8): activations
-// quantized per token and scale group to int8 (|q| ≤ 127, scale amax / 127), stored per 128 elements
-// as [the 64 meeting low nibbles | the 64 meeting high nibbles] so that 64 packed bytes (128 weights)
-// give their low nibbles against the first half and the high nibbles against the second. vpmaddubsw
-// multiplies the unsigned nibbles by the signed bytes and adds pairs into int16 (|·| ≤ 3810, no
-// saturation); the two halves add in int16 and vpmaddwd with ones widens them to int32: 7
-// instructions per 128 weights per token where the int16 method needs 14. Each group's sum is
-// scaled by weight scale × activation scale; the zero point is subtracted at the end through the
-// groups' sums of the dequantized int8 activations.
-template <int R, int MT>
-void micro_int4b(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
-                 const uint8_t* next) {
-  const Int4Tile<R> tl(W, r0, next);
-  const int8_t* x[MT];
-  const float* xs[MT];
-  for (int m = 0; m < MT; ++m) x[m] = A.xb + tok[m] * A.ld, xs[m] = A.xbs + tok[m] * A.gld;
-  const int64_t gsz = W.group, G = (W.K + gsz - 1) / gsz;
-  const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-  __m512 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t g = 0, kb = 0; g < G; ++g, kb += gsz) {
-    __m512i part[R][MT];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) part[r][m] = _mm512_setzero_si512();
-    for (int64_t k = kb; k < kb + gsz; k += 128) {
-      __m512i xl[MT], xh[MT];
-#pragma GCC unroll 4
-      for (int m = 0; m < MT; ++m) {
-        xl[m] = _mm512_loadu_si512((const void*)(x[m] + k));
-        xh[m] = _mm512_loadu_si512((const void*)(x[m] + k + 64));
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        prefetch_row<kInt4>(tl.row[r], tl.nrow[r], k, W);
-        const __m512i v = _mm512_loadu_si512((const void*)(tl.row[r] + k / 2));
-        const __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-#pragma GCC unroll 4
-        for (int m = 0; m < MT; ++m) {
-          const __m512i s16 = _mm512_add_epi16(_mm512_maddubs_epi16(wl, xl[m]), _mm512_maddubs_epi16(wh, xh[m]));
-          part[r][m] = _mm512_add_epi32(part[r][m], _mm512_madd_epi16(s16, ones));
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m)
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][m]), _mm512_set1_ps(tl.srow[r][g] * xs[m][g]), acc[r][m]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) out[m * R + r] = hsum(acc[r][m]) - tl.zero_term(r, A.gsb + tok[m] * A.gld, G);
-}
+// quantized per token and scale group (128) to int8 (|q| ≤ 127, scale amax / 127), stored per 128
+// elements as [the 64 meeting low nibbles | the 64 meeting high nibbles] so that 64 packed bytes (128
+// weights) give their low nibbles against the first half and the high nibbles against the second. Each
+// group's integer sum is scaled by weight scale × activation scale; the zero point is subtracted at the
+// end through the groups' sums of the dequantized int8 activations. The kernel is micro_int4b_dp
+// (micro_dot.inc): on VNNI, on its C++ model, or on vpmaddubsw + vpmaddwd where no VNNI runs.
 
 // FP8 E4M3 by 16-bit lanes ("widen"): 64 weight bytes are interleaved with zero bytes (vpunpck*bw),
 // putting each byte in the high half of a 16-bit lane; an arithmetic shift by 4 and a mask leave
@@ -466,8 +421,6 @@ MicroFn pick_tokens(int tokens) {
     switch (tokens) { case 1: return micro_int8<R, 1>; case 2: return micro_int8<R, 2>; case 4: return micro_int8<R, 4>; }
   } else if constexpr (F == kInt4i) {
     switch (tokens) { case 1: return micro_int4i<R, 1>; case 2: return micro_int4i<R, 2>; case 4: return micro_int4i<R, 4>; }
-  } else if constexpr (F == kInt4b) {
-    switch (tokens) { case 1: return micro_int4b<R, 1>; case 2: return micro_int4b<R, 2>; case 4: return micro_int4b<R, 4>; }
   } else if constexpr (F == kBF16s) {
     switch (tokens) { case 1: return micro_bf16s<R, 1>; case 2: return micro_bf16s<R, 2>; case 4: return micro_bf16s<R, 4>; }
   } else if constexpr (F == kFp8w) {
