@@ -963,7 +963,23 @@ def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_prese
     assert r["isa_variants"] == cpu.isa_variants() and r["version"] == probe.VERSION
     line = probe.variants_line(r["isa_variants"])
     assert line.startswith("cpu_int8_isa avx512") and "cpu_bf16_gemm unpack, onednn" in line
+    assert "maddubs" in line.split(";")[0]  # cpu_int8_isa's vpmaddubsw form runs on every CPU
     assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
+
+
+def test_probe_cache_gives_the_variants_of_the_code_now(tmp_path, monkeypatch):
+    """A cached probe written before a variant was added: the variants come from the kernels, the limits
+    from the cache."""
+    import json
+
+    import tuner.probe as probe
+
+    path = tmp_path / "probe.json"
+    monkeypatch.setattr(probe, "_path", lambda: path)
+    stale = {"version": probe.VERSION, "read_gbps": 12.5, "isa_variants": {"cpu_int8_isa": {"avx512": "native"}}}
+    path.write_text(json.dumps(stale))
+    r = probe.probe()
+    assert r["read_gbps"] == 12.5 and r["isa_variants"] == cpu.isa_variants()
 
 
 def test_probe_buffer_outgrows_the_last_level_cache():

@@ -136,7 +136,11 @@ def probe(refresh: bool = False) -> dict:
     if path.is_file() and not refresh:
         cached = json.loads(path.read_text())
         if cached.get("version") == VERSION:
-            return cached
+            # the variants are the kernels' (they change with the code), not a measurement: read them now,
+            # so a cache written before an update does not hide a variant added since
+            from kernels import cpu
+
+            return {**cached, "isa_variants": cpu.isa_variants()}
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
