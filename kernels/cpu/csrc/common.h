@@ -12,6 +12,14 @@
 
 namespace moetune {
 
+// This source compiled as the AVX2 build (kernels/cpu_build.py: AVX-512 on avx512_model.h's register pairs),
+// for the choices that differ between the builds (auto knob values, register-bound loop shapes).
+#ifdef MOETUNE_AVX2_BUILD
+constexpr bool kAvx2Build = true;
+#else
+constexpr bool kAvx2Build = false;
+#endif
+
 // kInt4i: INT4 by integer products; kFp8w: FP8 widened through 16-bit lanes (the "widen" method)
 // kInt4b: INT4 by byte products against int8 activations (the "int8" INT4 method)
 // From kInt8Dp on: the dot-product variants (micro_dot.inc), each on the instruction (native) and

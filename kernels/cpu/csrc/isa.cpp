@@ -42,14 +42,6 @@ void set_emulated_features(int64_t mask) {
   g_emulated.store((unsigned)mask);
 }
 
-static bool int8_maddubs_auto() {
-#ifdef MOETUNE_AVX2_BUILD
-  return true;
-#else
-  return false;
-#endif
-}
-
 int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs& kn, bool act_bf16) {
   const unsigned have = usable_features(), emu = emulated_features();
   auto pick = [&](unsigned feat, int native, int model) { return (emu & feat) ? model : (have & feat) ? native : kDotNone; };
@@ -62,7 +54,7 @@ int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs
     if (vnni != kDotNone || kn.int8_isa == kInt8IsaVnni) return vnni;
     // auto without VNNI: INT8 on vpmaddubsw in the AVX2 build (docs/cpu_kernels.md, session 16); the int16
     // vpmaddwd kernel in the AVX-512 one (unmeasured there against maddubs: equal instruction counts)
-    return fmt == kInt8 && int8_maddubs_auto() ? kDotMaddubs : kDotNone;
+    return fmt == kInt8 && kAvx2Build ? kDotMaddubs : kDotNone;
   }
   if (fmt == kBF16 || (fmt == kFp8 && group % 64 == 0)) {
     if (kn.bf16_isa == kBf16IsaAvx512 || (kn.bf16_isa == kBf16IsaAuto && !act_bf16)) return kDotNone;
@@ -113,13 +105,12 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   if (W.fmt == kInt4 && kn.int4_gemm != kInt4GemmUnpack) feat = kFeatVnni;
   if (!feat) return -1;
   const int engine = (emu & feat) ? kTilesDotModel : (have & feat) ? kTilesDot : -1;
-#ifdef MOETUNE_AVX2_BUILD
   // auto in the AVX2 build (no VNNI, no AMX form): INT8 and INT4 on vpmaddubsw (linear [5632, 2048] on an
   // AMD Zen 3 VM: INT8 x1.3-1.7, INT4 x1.5-2.2 the float32 unpack + FMA tiles at 128-512 tokens;
   // docs/cpu_kernels.md "Session 12")
-  if (engine < 0 && ((W.fmt == kInt8 && kn.int8_gemm == kInt8GemmAuto) || (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmAuto)))
+  if (kAvx2Build && engine < 0 &&
+      ((W.fmt == kInt8 && kn.int8_gemm == kInt8GemmAuto) || (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmAuto)))
     return kTilesMaddubs;
-#endif
   return engine;
 }
 

@@ -544,11 +544,7 @@ at::Tensor gemm_fma(const at::Tensor& x_act, const WeightView& W) {
 
 bool unpack_gemm_fma(const Knobs& kn) {
   if (kn.unpack_gemm != kUnpackGemmAuto) return kn.unpack_gemm == kUnpackGemmFma;
-#ifdef MOETUNE_AVX2_BUILD
-  return true;
-#else
-  return false;
-#endif
+  return kAvx2Build;
 }
 
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
