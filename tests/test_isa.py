@@ -314,12 +314,14 @@ def test_dot_instructions_appear_only_in_dispatched_functions():
 def test_every_microkernel_keeps_its_weight_prefetch():
     """Each microkernel instantiation (every format, native dot and model, rows × tokens) contains the
     software prefetch of its weight rows (cpu_prefetch_ahead): GCC 12 once dropped _mm_prefetch of
-    that address from the dot-product kernels without a word, which cost 10-25 % of their bandwidth."""
-    prefetches = {f: n for f, n in instruction_counts(("prefetcht0",)).items()
-                  if "micro_" in f and "(moetune::WeightView const&, long, moetune::Act const&" in f}
-    assert len(prefetches) >= 6 * 12, sorted(prefetches)  # 12+ kernels × (rows 4, 8) × (tokens 1, 2, 4)
-    missing = [f for f, n in prefetches.items() if n == 0]
-    assert not missing, missing
+    that address from the dot-product kernels without a word, which cost 10-25 % of their bandwidth.
+    Each holds the instruction of every cpu_prefetch_hint (t0, t1, t2), chosen per weight at run time."""
+    for op in ("prefetcht0", "prefetcht1", "prefetcht2"):
+        prefetches = {f: n for f, n in instruction_counts((op,)).items()
+                      if "micro_" in f and "(moetune::WeightView const&, long, moetune::Act const&" in f}
+        assert len(prefetches) >= 6 * 12, (op, sorted(prefetches))  # 12+ kernels × (rows 4, 8) × (tokens 1, 2, 4)
+        missing = [f for f, n in prefetches.items() if n == 0]
+        assert not missing, (op, missing)
 
 
 def hot_loop_stack_stores(fn_filter) -> dict[str, tuple[int, int]]:
@@ -964,7 +966,7 @@ def test_probe_records_every_read_method_and_the_peaks_of_the_instructions_prese
     line = probe.variants_line(r["isa_variants"])
     assert line.startswith("cpu_int8_isa avx512") and "cpu_bf16_gemm unpack, onednn" in line
     assert "maddubs" in line.split(";")[0]  # cpu_int8_isa's vpmaddubsw form runs on every CPU
-    assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16"} <= HAS)
+    assert ("C++ model only" in line) == (not {"avx512_vnni", "avx512_bf16", "amx"} <= HAS)  # AMX too (session 14)
 
 
 def test_probe_cache_gives_the_variants_of_the_code_now(tmp_path, monkeypatch):

@@ -501,6 +501,33 @@ def test_micro_order_tiles_equals_groups_bitwise(fmt):
         assert [r["knobs"]["cpu_micro_order"] for r in rec] == ["groups", "tiles"]
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128", "int4_g32"])
+def test_prefetch_hint_changes_no_result(fmt):
+    """cpu_prefetch_hint only chooses the software prefetch's instruction (or none): every microkernel
+    (each format's default variant, 4 × 1/2/4 tiles with their tails) gives bitwise the same outputs under
+    t0, t1, t2 and none, in linear and fused MoE, and the call record names the hint that ran."""
+    g = torch.Generator().manual_seed(len(fmt) + 11)
+    micro = {"cpu_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096,
+             "cpu_amx_min_tokens": 4096}
+    hints = ("t0", "t1", "t2", "none")
+    for n, k in ((130, 256), (7, 1000)):
+        w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+        for t in (1, 7):
+            x = torch.randn(t, k, generator=g).bfloat16()
+            with cpu.recording() as rec:
+                out = [cpu.linear(x, w, knobs={**micro, "cpu_prefetch_hint": h, "cpu_prefetch_ahead": 256}) for h in hints]
+            assert all(torch.equal(out[0], o) for o in out[1:]), (fmt, n, k, t)
+            assert [r["knobs"]["cpu_prefetch_hint"] for r in rec] == list(hints)
+            check(out[0].float(), reference.linear(x.float(), w), 3e-2, f"{fmt} {n}x{k} T={t}")
+    e, d, i = 6, 256, 192
+    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
+    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    x = torch.randn(9, d, generator=g).bfloat16()
+    tw, ids = torch.rand(9, 2, generator=g), torch.randint(0, e, (9, 2), generator=g)
+    out = [cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_prefetch_hint": h}) for h in hints]
+    assert all(torch.equal(out[0], o) for o in out[1:]), fmt
+
+
 @pytest.mark.parametrize("k", [1, 2, 17, 31, 32, 33, 95, 1000])
 def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
     """cpu_bf16_method=split (two bf16 per 32-bit lane split by a shift and a mask, activations

@@ -44,6 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
   py::enum_<moetune::MicroOrder>(m, "MicroOrder")
       .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles);
+  py::enum_<moetune::PrefetchHint>(m, "PrefetchHint")
+      .value("t0", moetune::kPrefetchT0).value("t1", moetune::kPrefetchT1).value("t2", moetune::kPrefetchT2)
+      .value("none", moetune::kPrefetchNone);
   py::enum_<moetune::AttnIsa>(m, "AttnIsa")
       .value("auto", moetune::kAttnIsaAuto).value("avx512", moetune::kAttnIsaAvx512)
       .value("avx512bf16", moetune::kAttnIsaDot)
@@ -94,6 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)
       .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
+      .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
       .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)

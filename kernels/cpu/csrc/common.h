@@ -44,6 +44,9 @@ enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
 // from memory once, then from L2 for each later group), or every row tile runs all the groups while its
 // rows are in L1 (tiles: the memory stream of the next rows overlaps the later groups' arithmetic).
 enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1 };
+// cpu_prefetch_hint: the cache level the microkernels' software prefetch of weight rows fills (prefetcht0: L1,
+// prefetcht1: L2, prefetcht2: L3 on Intel / L2 on AMD), or none (the hardware prefetchers alone).
+enum PrefetchHint : int { kPrefetchT0 = 0, kPrefetchT1 = 1, kPrefetchT2 = 2, kPrefetchNone = 3 };
 // cpu_attn_isa: the attention products' instruction (attention.cpp's attn_dot): float32 FMAs (avx512),
 // vdpbf16ps on bf16 pairs (avx512bf16), AMX tiles (amx: TDPBF16PS), auto: amx, else avx512bf16, where the
 // CPU has it and the queries are bf16.
@@ -92,6 +95,7 @@ struct WeightView {
   // microkernels: bytes ahead in a row that their prefetch reads, in (0, row_bytes]; row_bytes = the next
   // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
   int64_t prefetch_dist = 0;
+  int prefetch_hint = 0;         // PrefetchHint (knob cpu_prefetch_hint). Set by make_weight
   int64_t tile_stride = 1;       // rows between a register tile's rows (micro_sweep: 1, or rows / R when spread)
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
@@ -121,6 +125,7 @@ struct Knobs {
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
+  PrefetchHint prefetch_hint = (PrefetchHint)-1;
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;

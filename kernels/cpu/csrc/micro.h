@@ -88,8 +88,23 @@ inline void prefetch_row(const T* row, const uint8_t* next_row, int64_t k, const
   // two rows) from the dot-product kernels' loops (objdump: no prefetch left in micro_int8_dp). The
   // address goes in a register ("r"), not as a memory operand ("m"): with a memory operand GCC kept
   // the multi-token kernels' accumulators in memory and stored every one of them on each step.
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
-  if constexpr (F == kF32) asm volatile("prefetcht0 64(%0)" : : "r"(p));
+  // W.prefetch_hint (knob cpu_prefetch_hint): into L1 (t0), L2 (t1), L3 / L2 (t2), or no prefetch; the
+  // branch is the same on every step (predicted)
+  switch (W.prefetch_hint) {
+    case kPrefetchT0:
+      asm volatile("prefetcht0 (%0)" : : "r"(p));
+      if constexpr (F == kF32) asm volatile("prefetcht0 64(%0)" : : "r"(p));
+      break;
+    case kPrefetchT1:
+      asm volatile("prefetcht1 (%0)" : : "r"(p));
+      if constexpr (F == kF32) asm volatile("prefetcht1 64(%0)" : : "r"(p));
+      break;
+    case kPrefetchT2:
+      asm volatile("prefetcht2 (%0)" : : "r"(p));
+      if constexpr (F == kF32) asm volatile("prefetcht2 64(%0)" : : "r"(p));
+      break;
+    default: break;
+  }
 }
 
 template <int F, int R, int MT>
