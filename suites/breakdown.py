@@ -44,8 +44,8 @@ and hardware key in every row, as append_rows fills them):
         is the step's wall time;
     metric "weight_bytes_per_token" (B), "kv_bytes_per_token" (B), "weight_gb_s" (GB/s),
         "read_bw_fraction" (fraction of the probe's read_gbps; absent with --no-probe),
-        "paired_read_gb_s" / "paired_read_fraction" (decode: the probe's best read method over one step's
-        weight bytes, timed after each repeat, and the step's GB/s as a fraction of it; absent with --no-probe),
+        "paired_read_gb_s" / "paired_read_fraction" (decode: the fastest of PairedRead's methods over one
+        step's weight bytes, timed after each repeat, and the step's GB/s as a fraction of it; absent with --no-probe),
         "fixed_cost_per_layer" (s; the rest ÷ layers): workload {phase, prompt_len, batch,
         decode_steps}; extra: bytes by group (attention, dense, routed experts, shared experts,
         router, lm_head, embed), the probe's read_gbps, the CPU model.
@@ -286,8 +286,8 @@ def _sample(timer: OpTimer, wall: float, steps: int, overhead: float, embed_row:
 def measure(llm, prompt_len: int = 128, decode: int = 16, batch: int = 1, repeats: int = 5,
             seed: int = 0, progress: bool = True, paired_read: bool = False) -> dict:
     """Prefill and decode breakdowns: per phase, per-repeat samples of every part and bytes.
-    `paired_read`: after each repeat's decode steps, the probe's best read method over one decode step's
-    weight bytes (suites.kernels.PairedRead), so the step's bandwidth has a limit measured beside it."""
+    `paired_read`: after each repeat's decode steps, the fastest of the paired read's methods over one decode
+    step's weight bytes (suites.kernels.PairedRead), so the step's bandwidth has a limit measured beside it."""
     from tqdm import tqdm
 
     from engine.llm import RequestOutput, SamplingParams

@@ -147,6 +147,15 @@ def test_weight_cases_carry_a_paired_read_of_the_same_bytes(monkeypatch):
     read = suite.PairedRead(1 << 20)
     assert read.nbytes == 1 << 20 and read.slices == 8
     assert [read.offset(r) for r in range(9)] == [i * (1 << 18) for i in range(8)] + [0]
+    assert read.methods == ["4 streams x 4 lines, prefetch 1024 B", "sequential",
+                            "4 streams, prefetch 1024 B (kernels' pattern)"]
+    timed = []
+    real = tuner.probe.read_once
+    monkeypatch.setattr(tuner.probe, "read_once",
+                        lambda ext, buf, m: timed.append((m, buf.data_ptr())) or {"sequential": 0.5}.get(m, 2.0))
+    assert read(3) == 0.5  # the fastest of the methods, each over a slice of its own
+    assert [m for m, _ in timed] == read.methods and len({p for _, p in timed}) == 3
+    monkeypatch.setattr(tuner.probe, "read_once", real)
     assert read(3) > 0
     g = __import__("torch").Generator().manual_seed(0)
     row = suite.bench_linear(suite.LinearShape("t", 256, 512), "int8", 1, 3, g)
