@@ -57,7 +57,9 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "every group while its rows are in L1 (tiles: the next rows stream in during the later groups' "
          "arithmetic). Measured on an AMD Zen 4 VM, tiles against groups: fused MoE `small` at 12 tokens per "
          "expert BF16 x1.18, INT8 on the microkernels x1.13; BF16 linear [11264, 2048] at 16 tokens "
-         "x1.15-1.3", choices=("groups", "tiles")),
+         "x1.15-1.3; or as tiles with the tile's second group prefetching the next tile's rows at the offset "
+         "it reads (tiles_next: the memory streams while the later groups compute from L1)",
+         choices=("groups", "tiles", "tiles_next")),
     Knob("cpu_prefetch_ahead", int, 2048, "kernels/cpu",
          "CPU microkernels: how many bytes ahead in its own row each weight row is prefetched, at most a "
          "row (past the row's end: the same place in the next tile's rows; a row no longer than this "

@@ -472,9 +472,9 @@ def test_spread_tiles_equal_adjacent_tiles_bitwise(fmt):
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128"])
 def test_micro_order_tiles_equals_groups_bitwise(fmt):
-    """cpu_micro_order only changes the order of a sweep's (token group, row tile) calls: every output
-    element is the same microkernel call on the same rows and tokens, so tiles and groups are bitwise
-    equal, for token counts that leave every tail (4s, a pair, a single token), row counts off the tile,
+    """cpu_micro_order only changes the order of a sweep's (token group, row tile) calls (tiles_next also
+    where the second group prefetches): every output element is the same microkernel call on the same
+    rows and tokens, so tiles, tiles_next and groups are bitwise equal, for token counts that leave every tail (4s, a pair, a single token), row counts off the tile,
     both tile heights, spread and adjacent tiles; in linear and fused MoE, float32 and bf16 rows."""
     g = torch.Generator().manual_seed(len(fmt) + 3)
     micro = {"cpu_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096}
@@ -487,7 +487,8 @@ def test_micro_order_tiles_equals_groups_bitwise(fmt):
                     kn = {**micro, "cpu_micro_rows": rows, "cpu_tile_rows": tiles, "cpu_linear_block_n": 32}
                     a = cpu.linear(x, w, knobs={**kn, "cpu_micro_order": "groups"})
                     b = cpu.linear(x, w, knobs={**kn, "cpu_micro_order": "tiles"})
-                    assert torch.equal(a, b), (fmt, n, k, t, rows)
+                    c = cpu.linear(x, w, knobs={**kn, "cpu_micro_order": "tiles_next"})
+                    assert torch.equal(a, b) and torch.equal(a, c), (fmt, n, k, t, rows)
     e, d, i = 6, 256, 192
     w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
     w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
@@ -497,8 +498,9 @@ def test_micro_order_tiles_equals_groups_bitwise(fmt):
         with cpu.recording() as rec:
             a = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_micro_order": "groups"})
             b = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_micro_order": "tiles"})
-        assert torch.equal(a, b), (fmt, t)
-        assert [r["knobs"]["cpu_micro_order"] for r in rec] == ["groups", "tiles"]
+            c = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_micro_order": "tiles_next"})
+        assert torch.equal(a, b) and torch.equal(a, c), (fmt, t)
+        assert [r["knobs"]["cpu_micro_order"] for r in rec] == ["groups", "tiles", "tiles_next"]
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128", "int4_g32"])

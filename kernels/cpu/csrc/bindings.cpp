@@ -43,7 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::TileRows>(m, "TileRows")
       .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
   py::enum_<moetune::MicroOrder>(m, "MicroOrder")
-      .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles);
+      .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles)
+      .value("tiles_next", moetune::kOrderTilesNext);
   py::enum_<moetune::PrefetchHint>(m, "PrefetchHint")
       .value("t0", moetune::kPrefetchT0).value("t1", moetune::kPrefetchT1).value("t2", moetune::kPrefetchT2)
       .value("none", moetune::kPrefetchNone);

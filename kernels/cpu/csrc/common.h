@@ -43,7 +43,7 @@ enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
 // micro_tokens: every group runs over all the sweep's rows before the next (groups: the rows are read
 // from memory once, then from L2 for each later group), or every row tile runs all the groups while its
 // rows are in L1 (tiles: the memory stream of the next rows overlaps the later groups' arithmetic).
-enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1 };
+enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1, kOrderTilesNext = 2 };
 // cpu_prefetch_hint: the cache level the microkernels' software prefetch of weight rows fills (prefetcht0: L1,
 // prefetcht1: L2, prefetcht2: L3 on Intel / L2 on AMD), or none (the hardware prefetchers alone).
 enum PrefetchHint : int { kPrefetchT0 = 0, kPrefetchT1 = 1, kPrefetchT2 = 2, kPrefetchNone = 3 };

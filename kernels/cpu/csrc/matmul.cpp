@@ -102,7 +102,7 @@ void Knobs::check() const {
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
-                  micro_order >= kOrderGroups && micro_order <= kOrderTiles && prefetch_hint >= kPrefetchT0 && prefetch_hint <= kPrefetchNone &&
+                  micro_order >= kOrderGroups && micro_order <= kOrderTilesNext && prefetch_hint >= kPrefetchT0 && prefetch_hint <= kPrefetchNone &&
                   int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaMaddubs &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
@@ -383,10 +383,15 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
       groups[ng++] = {mm, step, step == MT ? fn : step == 2 ? fn2 : fn1};
       mm += step;
     }
-  auto run = [&](const Group& g, int64_t i, const uint8_t* nx) {
+  // cpu_micro_order=tiles_next: a tile's second token group prefetches the next tile's rows at the offset
+  // it reads (a whole tile ahead), so the next rows stream in while the later groups compute from L1; the
+  // other groups prefetch as tiles does (their own rows ahead: already cached after the first group)
+  WeightView Wn = Ws;
+  Wn.prefetch_dist = W.row_bytes;
+  auto run = [&](const Group& g, int64_t i, const uint8_t* nx, const WeightView& Wv) {
     const int64_t r0 = n0 + i * tstep;
     for (int64_t j = 0; j < g.n; ++j) t[j] = tok[g.m + j];
-    g.f(Ws, r0, A, t, buf, nx);
+    g.f(Wv, r0, A, t, buf, nx);
     const int64_t nr = S > 1 ? R : std::min<int64_t>(R, n1 - r0);
     for (int64_t j = 0; j < g.n; ++j)
       for (int64_t r = 0; r < nr; ++r) out[(g.m + j) * ldo + (r0 - n0) + r * cstep] = buf[j * R + r];
@@ -394,12 +399,13 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   // the rows a tile prefetches while it is read: the next tile's; after the last tile, the next group's
   // first tile (groups order) or the rows after the sweep
   auto next_of = [&](int64_t i, bool last) { return i + 1 < tiles ? W.w + (n0 + (i + 1) * tstep) * W.row_bytes : last ? next : first; };
-  if (kn.micro_order == kOrderTiles) {
-    for (int64_t i = 0; i < tiles; ++i)
-      for (int64_t q = 0; q < ng; ++q) run(groups[q], i, next_of(i, true));
-  } else {
+  if (kn.micro_order == kOrderGroups) {
     for (int64_t q = 0; q < ng; ++q)
-      for (int64_t i = 0; i < tiles; ++i) run(groups[q], i, next_of(i, q + 1 == ng));
+      for (int64_t i = 0; i < tiles; ++i) run(groups[q], i, next_of(i, q + 1 == ng), Ws);
+  } else {
+    const bool ahead = kn.micro_order == kOrderTilesNext;
+    for (int64_t i = 0; i < tiles; ++i)
+      for (int64_t q = 0; q < ng; ++q) run(groups[q], i, next_of(i, true), ahead && q == 1 ? Wn : Ws);
   }
   if (csr_bits) _mm_setcsr(csr);
 }
