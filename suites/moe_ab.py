@@ -1,6 +1,7 @@
 """Fused-MoE variants timed in alternation within one process: formats and knob settings side by side.
 
     python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
+    python -m suites.moe_ab --linear N,K [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
 
 A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
 Round r calls every variant once, in order, each call on a routing of its own (the suite's routings ×
@@ -11,6 +12,9 @@ median and p10–p90 of each variant are printed with its GB/s (weight bytes of 
 and its speed relative to the first variant. On a shared machine the figures drift between runs,
 but the variants of one run share the drift. That makes this the tool for ratios, such as FP8 vs
 INT8 or one knob value vs another (docs/cpu_kernels.md). Nothing is stored.
+
+--linear N,K times a linear of an [N, K] weight the same way instead: each variant's calls go round copies
+of its weight, enough of them to be 4x the last-level cache, so no call finds its rows still cached.
 """
 from __future__ import annotations
 
@@ -66,7 +70,8 @@ def call_routing(r: int, j: int, variants: int) -> int:
     return (r * variants + j) % (ROUTINGS * variants)
 
 
-def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdout) -> list[dict]:
+def run(shape: str, tokens: int, repeats: int, variants: list[str], out=None) -> list[dict]:
+    out = out or sys.stdout
     import kernels.cpu as cpu
     from suites.kernels import ROUTINGS, expert_bytes, random_routes, random_weight
     from engine.fingerprint import fingerprint
@@ -97,12 +102,47 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
             if r >= 2:
                 times[j].append(time.perf_counter() - t0)
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
+    return _report(variants, [touched * weights[key][2] for key in keys], times, out)
+
+
+def run_linear(n: int, k: int, tokens: int, repeats: int, variants: list[str], out=None) -> list[dict]:
+    out = out or sys.stdout
+    import kernels.cpu as cpu
+    from suites.kernels import last_level_cache_bytes, random_weight
+    from engine.fingerprint import fingerprint
+
+    parsed = [parse_variant(v) for v in variants]
+    g = torch.Generator().manual_seed(0)
+    keys = [weight_key(fmt, knobs) for fmt, knobs in parsed]
+    weights: dict[tuple, list] = {}
+    for (fmt, _), key in zip(parsed, keys):
+        if key not in weights:
+            src = random_weight((n, k), fmt, g)
+            nbytes = src.nbytes
+            copies = max(2, -(-4 * last_level_cache_bytes() // max(1, nbytes)))
+            with load_knobs(cpu, dict(key[1])):
+                weights[key] = [cpu.prepare(src) for _ in range(copies)]
+            weights[key].append(nbytes)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    times: list[list[float]] = [[] for _ in parsed]
+    for r in range(repeats + 2):
+        for j, ((_, knobs), key) in enumerate(zip(parsed, keys)):
+            ws = weights[key][:-1]
+            t0 = time.perf_counter()
+            cpu.linear(x, ws[r % len(ws)], knobs=knobs)
+            if r >= 2:
+                times[j].append(time.perf_counter() - t0)
+    print(f"machine {fingerprint().get('hardware_key', '?')}  linear [{n}, {k}]  T={tokens}", file=out)
+    return _report(variants, [weights[key][-1] for key in keys], times, out)
+
+
+def _report(variants: list[str], nbytes: list[float], times: list[list[float]], out) -> list[dict]:
     base = statistics.median(times[0])
     rows = []
-    for text, key, t in zip(variants, keys, times):
+    for text, b, t in zip(variants, nbytes, times):
         med = statistics.median(t)
         q = statistics.quantiles(t, n=10) if len(t) > 1 else [med] * 9
-        gbps = touched * weights[key][2] / med / 1e9
+        gbps = b / med / 1e9
         rows.append({"variant": text, "median_s": med, "p10_s": q[0], "p90_s": q[-1], "gbps": gbps,
                      "speed_vs_first": base / med})
         print(f"{text:44s} {med * 1e3:8.2f} ms [{q[0] * 1e3:.2f}–{q[-1] * 1e3:.2f}]  {gbps:6.2f} GB/s  "
@@ -113,6 +153,7 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=sys.stdo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m suites.moe_ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--linear", metavar="N,K", help="time a linear of an [N, K] weight instead of fused MoE")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("variants", nargs="+")
@@ -121,7 +162,14 @@ def main(argv=None) -> int:
         print("error: --tokens and --repeats must be ≥ 1", file=sys.stderr)
         return 2
     try:
-        run(a.shape, a.tokens, a.repeats, a.variants)
+        if a.linear:
+            try:
+                n, k = (int(v) for v in a.linear.split(","))
+            except ValueError:
+                raise ValueError(f"--linear {a.linear!r}: expected N,K (two integers)") from None
+            run_linear(n, k, a.tokens, a.repeats, a.variants)
+        else:
+            run(a.shape, a.tokens, a.repeats, a.variants)
     except (ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -92,6 +92,28 @@ def test_moe_ab_never_routes_a_call_to_the_experts_of_the_call_before(variants):
 
 
 @pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+def test_moe_ab_linear_goes_round_copies_out_of_the_cache(monkeypatch, capsys):
+    """--linear N,K: each variant's calls go round copies of its weight (4x the last-level cache in all),
+    each call checked to run; a bad N,K is one clear error."""
+    import kernels.cpu as cpu
+    import suites.kernels
+    from suites import moe_ab
+
+    monkeypatch.setattr(suites.kernels, "last_level_cache_bytes", lambda: 64 << 10)
+    prepared = []
+    real = cpu.prepare
+    monkeypatch.setattr(cpu, "prepare", lambda w: prepared.append(w) or real(w))
+    rows = moe_ab.run_linear(96, 256, 3, 4, ["int8", "int8:cpu_prefetch_hint=t0", "bf16"])
+    assert [r["variant"] for r in rows] == ["int8", "int8:cpu_prefetch_hint=t0", "bf16"]
+    assert all(r["median_s"] > 0 and r["gbps"] > 0 for r in rows) and rows[0]["speed_vs_first"] == 1.0
+    # int8: 96 x 256 bytes (+ scales) -> 4 x 64 KiB / ~25 KiB = 11 copies; bf16 (48 KiB) -> 6: one set per format
+    assert len(prepared) == 11 + 6
+    assert "linear [96, 256]  T=3" in capsys.readouterr().out
+    assert moe_ab.main(["--linear", "96x256", "int8"]) == 2
+    assert "expected N,K" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
 def test_rowlen_sweep_reads_the_same_bytes_at_each_length(capsys):
     from suites import rowlen
 
