@@ -280,6 +280,33 @@ def test_compare_default_set_leaves_out_what_ik_llama_cannot_run(tmp_path):
     assert "llama.cpp: median" in header and "ik_llama.cpp" not in header
 
 
+def test_compare_with_a_tuned_profile_says_so_and_records_it(tmp_path):
+    """--profile PATH runs our engine with that profile (its path in the rows' settings and the header);
+    --profile auto with no profile for the model here is one clear error, not the defaults in disguise."""
+    _llama_cpp_or_fail()
+    from engine.fingerprint import fingerprint
+    from engine.llm import LLM
+    from engine.profile import Profile, save_profile
+    from results.store import read_results
+
+    base = LLM("tiny", dtype="float32", profile=None, progress=False)
+    path = tmp_path / "p.toml"
+    save_profile(Profile({"hardware_key": fingerprint()["hardware_key"], "model_key": base.model_key},
+                         {"kv_block_size": 16}, {"linear": [{"format": "f32", "tokens": 1, "cpu_micro_rows": 8}]}), path)
+    env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "res"), "MOETUNE_PROFILES": str(tmp_path / "none")}
+    cmd = [sys.executable, "-m", "moetune_cli", "compare", "--model", "tiny", "--precision", "fp32", "--baselines",
+           "llama.cpp", "--workloads", "io:8/3", "--repeats", "1"]
+    p = subprocess.run(cmd + ["--profile", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"moetune: tuned profile {path}" in p.stdout
+    rows = read_results(tmp_path / "res")
+    extra = [json.loads(x) if isinstance(x, str) else x for x in rows["extra"]]
+    ours = [x["settings"] for x in extra if x["engine"] == "moetune"]
+    assert ours and all(s["profile"] == str(path) for s in ours)
+    p = subprocess.run(cmd + ["--profile", "auto"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "no tuned profile for" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_ik_llama_missing_build_is_one_error(tmp_path, monkeypatch):
     """No build (or one made with other flags): `moetune compare --baselines ik` says so in one line
     before exporting or loading anything; the default set leaves ik_llama.cpp out."""

@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
     c.add_argument("--threads", type=int, default=None, help="threads for every engine (default: usable cores)")
     c.add_argument("--moe-shape", default="v3", help="moe workloads: v3 (7168/2048/top-8), small, tiny")
     c.add_argument("--moe-experts", type=int, default=64, help="moe workloads: experts in the layer (V3 has 256)")
+    c.add_argument("--profile", default=None,
+                   help="io / ttft / batch workloads: our engine with a tuned profile, 'auto' (this machine's profile for "
+                        "the model) or a TOML; default: the knobs' defaults, untuned")
     c.add_argument("--json", action="store_true", help="the rows as JSON lines instead of the table")
     c.set_defaults(func=run_compare)
 
@@ -210,8 +213,13 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
         if why:
             print(f"note: {why}; comparing without it", file=sys.stderr)
             kinds.remove(IkLlamaCpp)
-    llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads})
+    llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads},
+              profile=getattr(args, "profile", None))
+    if getattr(args, "profile", None) and llm.profile is None:
+        raise MoetuneError(f"--profile {args.profile}: no tuned profile for {llm.model_key} on this machine "
+                           "(run moetune autotune first, or leave --profile out for the defaults)")
     ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,
+                     "profile": str(llm.profile.path) if llm.profile else None,
                      "backend": llm.knobs["kernel_backend"], "torch": torch.__version__,
                      "weight_bytes": sum(getattr(w, "nbytes", 0) for w in llm.model.w.values())}
     rows = []
@@ -367,6 +375,9 @@ def run_compare(args) -> int:
     models = ", ".join(dict.fromkeys(r["model"] for r in rows))
     print(f"moetune compare — {models} ({args.precision}), {threads} threads, {args.repeats} alternating "
           f"repeats, on {fp.get('cpu_model')} [{fp.get('hash')}], run {run_id}")
+    tuned = next((r["extra"]["settings"].get("profile") for r in rows
+                  if r["extra"]["engine"] == "moetune" and r["extra"]["settings"].get("profile")), None)
+    print(f"moetune: tuned profile {tuned}" if tuned else "moetune: the knobs' defaults (untuned)")
     print(table(rows))
     print("ratio: baseline time / ours (or ours / baseline for rates): > 1 means moetune is faster", file=sys.stderr)
     return 0
