@@ -193,6 +193,9 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                 "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
+                    if fmt == "int4_g128" and t < 32:  # the int8 INT4 method's microkernel: VNNI, else vpmaddubsw
+                        vnni = int8_isa != "avx512" and "avx512_vnni" in mask & HAS
+                        assert used == {"vnni" if vnni else "maddubs"}, (mask, t, int8_isa, used)
             for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
                 x = torch.randn(40, 256, generator=g).to(dtype)
                 for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs", "amx"),
@@ -376,7 +379,8 @@ def test_vnni_linear_equals_the_int16_path_bitwise_and_the_reference(fmt, shape)
         x = torch.randn(t, k, generator=g).to(dtype)
         ref = reference.linear(x, w)
         base, used = run_linear(x, w, {"cpu_int8_isa": "avx512"})
-        assert used == "avx512"
+        # INT4's int8 method has no int16 form: without VNNI its dot-product kernel runs on vpmaddubsw
+        assert used == ("maddubs" if fmt == "int4_g128" else "avx512")
         model, used = run_linear(x, w, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])
         assert used == "vnni-model" and torch.equal(model, base), (fmt, shape, dtype)
         check(model, ref, tight(fmt) if dtype == torch.float32 else bf16_bound(fmt, BF16_LINEAR), f"vnni model {fmt} {shape}")

@@ -121,6 +121,11 @@ void note_dot(int dot) {
             : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs : kUsedAvx512;
 }
 
+void note_micro(const WeightView& W) {
+  // micro_sweep: INT4 with the int8 method and no dot form runs micro_int4b_dp on vpmaddubsw (MaddubsNibbles)
+  note_dot(W.fmt == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot);
+}
+
 std::string used_variants() {
   std::string s;
   for (unsigned i = 0; i < sizeof(kUsedNames) / sizeof(kUsedNames[0]); ++i)

@@ -648,7 +648,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));
     return out;
   }
-  note_dot(W.dot);
+  note_micro(W);
   at::Tensor out = at::empty({M, N}, at::kFloat);
   std::vector<int64_t> tok(M);
   for (int64_t m = 0; m < M; ++m) tok[m] = m;

@@ -152,7 +152,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   WeightView xw = W13.base, hw = W2.base;
   if (small.empty()) xw.no_micro_forms(), hw.no_micro_forms();
   hw.fp8_widen &= !small.empty();
-  if (!small.empty()) note_dot(W13.base.dot);
+  if (!small.empty()) note_micro(W13.base);
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);

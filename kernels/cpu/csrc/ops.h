@@ -54,6 +54,8 @@ enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsed
 void reset_used();
 void note_used(unsigned bits);
 void note_dot(int dot);
+// the microkernels' variant for weight W: its dot form, or maddubs where the INT4 int8 method runs without VNNI
+void note_micro(const WeightView& W);
 std::string used_variants();
 
 // Activations prepared once per call for a format: float32 padded rows (+ group sums) or int16

@@ -459,7 +459,7 @@ class DecodeRunner {
       o = o.contiguous();
       std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
     } else {
-      note_dot(W.dot);
+      note_micro(W);
       tok_.resize(M);
       for (int64_t m = 0; m < M; ++m) tok_[m] = m;
       gemv_rows(W, p.view(), tok_.data(), M, out, L.N, kn, true);
