@@ -988,6 +988,45 @@ def test_probe_cache_gives_the_variants_of_the_code_now(tmp_path, monkeypatch):
     assert r["read_gbps"] == 12.5 and r["isa_variants"] == cpu.isa_variants()
 
 
+def test_probe_refresh_keeps_the_fastest_read_of_this_machine(tmp_path, monkeypatch, capsys):
+    """A refresh keeps the fastest read measured before on the same machine (version, hardware key,
+    threads) with its method, takes the refresh's peaks, and records the refreshes; another hardware key
+    or --reset starts again; a corrupt cache is measured again."""
+    import json
+
+    import tuner.probe as probe
+
+    path = tmp_path / "probe.json"
+    monkeypatch.setattr(probe, "_path", lambda: path)
+    runs = iter([(77.0, "8 streams", 453.0), (44.0, "sequential", 460.0), (80.0, "4 streams", 450.0),
+                 (30.0, "sequential", 455.0), (31.0, "sequential", 455.0)])
+
+    def fake_measure():
+        gbps, method, fma = next(runs)
+        return {"version": probe.VERSION, "hardware_key": key, "threads": 2, "read_gbps": gbps,
+                "read_gbps_median": gbps - 1, "read_method": method, "read_methods": {method: gbps, "other": gbps / 2},
+                "read_gbps_sequential": gbps / 2, "read_gbps_4_streams_prefetch": gbps / 3, "fp32_fma_gflops": fma,
+                "isa_variants": {}}
+
+    monkeypatch.setattr(probe, "measure", fake_measure)
+    key = "k1"
+    first = probe.probe(refresh=True)
+    assert first["read_gbps"] == 77.0 and first["read_gbps_this_run"] == 77.0 and len(first["read_history"]) == 1
+    slow = probe.probe(refresh=True)  # a slow minute: the limit stays
+    assert (slow["read_gbps"], slow["read_method"], slow["read_gbps_median"]) == (77.0, "8 streams", 76.0)
+    assert slow["read_gbps_this_run"] == 44.0 and slow["fp32_fma_gflops"] == 460.0
+    assert slow["read_methods"] == {"sequential": 44.0, "other": 38.5} and slow["read_gbps_sequential"] == 38.5
+    assert [g for _, g in slow["read_history"]] == [77.0, 44.0]
+    assert json.loads(path.read_text())["read_gbps"] == 77.0 and probe.probe()["read_gbps"] == 77.0
+    assert probe.main(["--refresh"]) == 0  # faster: the new best
+    assert "this run's best read" not in capsys.readouterr().out and probe.probe()["read_gbps"] == 80.0
+    key = "k2"  # another machine's cache (same path here): not mixed in
+    assert probe.probe(refresh=True)["read_gbps"] == 30.0
+    path.write_text("{not json")
+    key = "k1"
+    assert probe.probe()["read_gbps"] == 31.0 and len(probe.probe()["read_history"]) == 1
+
+
 def test_probe_buffer_outgrows_the_last_level_cache():
     """The read buffer is at least 512 MiB and twice the largest cache (a 480 MiB L3 seen on an AMX VM)."""
     from tuner.probe import read_buffer_bytes
