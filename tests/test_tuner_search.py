@@ -150,6 +150,40 @@ def test_kernel_tier_verifies_before_timing(tmp_path):
     assert wrong["error"].str.contains("reference").all()
 
 
+def test_kernel_tier_seeds_each_bucket_with_the_one_before(tmp_path, monkeypatch):
+    """Each study's seed after the defaults is the knob set the previous (smaller) bucket kept, none after a
+    bucket that kept the defaults, and a new format starts without one; the seed runs as a trial labelled
+    'previous bucket'."""
+    import tuner.kernel_tier as kt
+    from tuner.search import TuneResult
+
+    import dataclasses
+
+    op = dataclasses.replace(toy_kernel_op(), buckets=({"tokens": 1}, {"tokens": 4}, {"tokens": 16}))
+    kept = iter([{"mm_block": 16, "mm_split": 2}, {}, {"mm_block": 32, "mm_split": 1}])
+    seen = []
+
+    class Recorder:
+        def __init__(self, space, obj, cfg, storage, suite, study_name, prior=None, prior_label=""):
+            seen.append((study_name, prior, prior_label))
+            self.defaults = {"mm_block": 8, "mm_split": 1}
+
+        def run(self):
+            return TuneResult("s", None, next(kept), True, [], (), 1)
+
+    monkeypatch.setattr(kt, "Tuner", Recorder)
+    rows = kt.tune_op(op, TuneConfig(trials=1), storage(tmp_path))
+    assert [p for _, p, _ in seen] == [None, {"mm_block": 16, "mm_split": 2}, None]
+    assert {label for _, _, label in seen} == {"previous bucket"}
+    assert [r["mm_block"] for r in rows] == [16, 8, 32]
+    monkeypatch.undo()
+    tuner = Tuner(toy_space(), ToyObjective(), TuneConfig(trials=3, repeats=1, warmup=0), storage(tmp_path), "seeded",
+                  prior={"block_k": 128, "method": "vector"}, prior_label="previous bucket")
+    tuner.run()
+    seeds = [t.user_attrs.get("seed") for t in tuner.study.trials]
+    assert seeds[:2] == ["defaults", "previous bucket"]
+
+
 def test_kernel_table_lookup_picks_the_nearest_bucket():
     table = [{"format": "int8", "tokens": 1, "blk": 32}, {"format": "int8", "tokens": 64, "blk": 128},
              {"format": "fp8", "tokens": 1, "blk": 16}]

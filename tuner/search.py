@@ -237,13 +237,13 @@ class Tuner:
 
     def __init__(self, space: SearchSpace, objective: Objective, cfg: TuneConfig,
                  storage: str | None = None, study_name: str | None = None,
-                 prior: dict | None = None, suite: str = "autotune"):
+                 prior: dict | None = None, suite: str = "autotune", prior_label: str = "last profile"):
         self.space, self.obj, self.cfg, self.suite = space, objective, cfg, suite
         self.study_name = study_name or f"{objective.name}-{objective.model}-{objective.format}"
         self.study = open_study(self.study_name, objective.metrics, storage, cfg)
         if _choices_changed(self.study, space):  # a kernel variant added or removed since: Optuna would fail
             self.study = open_study(f"{self.study_name}-{space.signature()}", objective.metrics, storage, cfg)
-        self.prior, self.run_id = prior, new_run_id()
+        self.prior, self.prior_label, self.run_id = prior, prior_label, new_run_id()
         self.defaults = _defaults(space)
         self._call_s: list[float] = []  # seconds per runner call, to size the confirmation
         self._prepare_s: list[float] = []
@@ -352,7 +352,7 @@ class Tuner:
                  for k, v in (self.prior or {}).items() if k in self.space.names}
         if prior and self.space.contains({**self.defaults, **prior}):
             self.study.enqueue_trial(self.space.params_of({**self.defaults, **prior}),
-                                     user_attrs={"seed": "last profile"}, skip_if_exists=True)
+                                     user_attrs={"seed": self.prior_label}, skip_if_exists=True)
 
     def _one_trial(self) -> optuna.trial.FrozenTrial:
         trial = self.study.ask()
