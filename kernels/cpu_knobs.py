@@ -124,7 +124,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
          "vpdpbusd (AVX512-VNNI) on activations + 128 (64 products per instruction, exact), avx512: "
          "INT8 on int16 vpmaddwd (INT4 on vpmaddubsw), maddubs: INT8 on vpmaddubsw + vpmaddwd with the "
-         "sign trick, |w| times x negated where w < 0 (exact, any CPU the kernels run on), auto: vnni "
+         "sign trick, |w| times x negated where w < 0 (exact, any CPU the kernels run on; INT4 on vpmaddubsw as "
+         "under avx512), auto: vnni "
          "where the CPU has it, else maddubs in the AVX2 build and avx512 in the AVX-512 one. vnni where "
          "the CPU lacks it falls back to avx512 at the call (the call record says which ran)",
          choices=("auto", "avx512", "vnni", "maddubs")),

@@ -49,7 +49,9 @@ int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs
   // longer one keeps the int16 path)
   if (fmt == kInt8 || (fmt == kInt4 && int4_i8 && group == 128)) {
     if (kn.int8_isa == kInt8IsaAvx512) return kDotNone;
-    if (fmt == kInt8 && kn.int8_isa == kInt8IsaMaddubs) return kDotMaddubs;
+    // maddubs: INT8 on vpmaddubsw with the sign trick; INT4 on vpmaddubsw too (micro_int4b_dp with
+    // MaddubsNibbles, as under avx512), not VNNI
+    if (kn.int8_isa == kInt8IsaMaddubs) return fmt == kInt8 ? kDotMaddubs : kDotNone;
     const int vnni = fmt == kInt4 || has_wsum ? pick(kFeatVnni, kDotVnni, kDotVnniModel) : kDotNone;
     if (vnni != kDotNone || kn.int8_isa == kInt8IsaVnni) return vnni;
     // auto without VNNI: INT8 on vpmaddubsw in the AVX2 build (docs/cpu_kernels.md, session 16); the int16
