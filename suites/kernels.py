@@ -212,7 +212,6 @@ class PairedRead:
             PairedRead._buf = torch.ones(PAIRED_READ_BYTES // 4, dtype=torch.float32)
         best = probe().get("read_method", "sequential")
         self.methods = list(dict.fromkeys([best, "sequential", "4 streams, prefetch 1024 B (kernels' pattern)"]))
-        self.method = best
         self.ext = cpu.extension()
         self.n = max(64 * 16, min(int(nbytes) // 4, PairedRead._buf.numel() // 3) // 1024 * 1024)  # floats
         self.slices = max(1, PairedRead._buf.numel() // self.n)

@@ -93,14 +93,12 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=None) ->
     # them in the last-level cache
     routes = random_routes(tokens, e, k, g, n=ROUTINGS * len(parsed))
     touched = statistics.mean(len(ids.unique()) for _, ids in routes)
-    times: list[list[float]] = [[] for _ in parsed]
-    for r in range(repeats + 2):
-        for j, ((_, knobs), key) in enumerate(zip(parsed, keys)):
-            w13, w2, _ = weights[key]
-            t0 = time.perf_counter()
-            cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=knobs)
-            if r >= 2:
-                times[j].append(time.perf_counter() - t0)
+
+    def call(r: int, j: int) -> None:
+        w13, w2, _ = weights[keys[j]]
+        cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=parsed[j][1])
+
+    times = alternate(call, len(parsed), repeats)
     print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
     return _report(variants, [touched * weights[key][2] for key in keys], times, out)
 
@@ -114,26 +112,36 @@ def run_linear(n: int, k: int, tokens: int, repeats: int, variants: list[str], o
     parsed = [parse_variant(v) for v in variants]
     g = torch.Generator().manual_seed(0)
     keys = [weight_key(fmt, knobs) for fmt, knobs in parsed]
-    weights: dict[tuple, list] = {}
+    copies: dict[tuple, list] = {}  # each variant's weight copies
+    nbytes = {}
     for (fmt, _), key in zip(parsed, keys):
-        if key not in weights:
+        if key not in copies:
             src = random_weight((n, k), fmt, g)
-            nbytes = src.nbytes
-            copies = max(2, -(-4 * last_level_cache_bytes() // max(1, nbytes)))
+            nbytes[key] = src.nbytes
+            count = max(2, -(-4 * last_level_cache_bytes() // max(1, src.nbytes)))
             with load_knobs(cpu, dict(key[1])):
-                weights[key] = [cpu.prepare(src) for _ in range(copies)]
-            weights[key].append(nbytes)
+                copies[key] = [cpu.prepare(src) for _ in range(count)]
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
-    times: list[list[float]] = [[] for _ in parsed]
+
+    def call(r: int, j: int) -> None:
+        ws = copies[keys[j]]
+        cpu.linear(x, ws[r % len(ws)], knobs=parsed[j][1])
+
+    times = alternate(call, len(parsed), repeats)
+    print(f"machine {fingerprint().get('hardware_key', '?')}  linear [{n}, {k}]  T={tokens}", file=out)
+    return _report(variants, [nbytes[key] for key in keys], times, out)
+
+
+def alternate(call, variants: int, repeats: int) -> list[list[float]]:
+    """Round r calls call(r, j) for every variant j in turn; each call's seconds after 2 warm-up rounds."""
+    times: list[list[float]] = [[] for _ in range(variants)]
     for r in range(repeats + 2):
-        for j, ((_, knobs), key) in enumerate(zip(parsed, keys)):
-            ws = weights[key][:-1]
+        for j in range(variants):
             t0 = time.perf_counter()
-            cpu.linear(x, ws[r % len(ws)], knobs=knobs)
+            call(r, j)
             if r >= 2:
                 times[j].append(time.perf_counter() - t0)
-    print(f"machine {fingerprint().get('hardware_key', '?')}  linear [{n}, {k}]  T={tokens}", file=out)
-    return _report(variants, [weights[key][-1] for key in keys], times, out)
+    return times
 
 
 def _report(variants: list[str], nbytes: list[float], times: list[list[float]], out) -> list[dict]:

@@ -214,8 +214,8 @@ def run_lm(args, workloads: list[dict], threads: int, baselines: list[str]) -> l
             print(f"note: {why}; comparing without it", file=sys.stderr)
             kinds.remove(IkLlamaCpp)
     llm = LLM(our_model(args.model, args.precision), dtype=dtype, knobs={"threads": threads},
-              profile=getattr(args, "profile", None))
-    if getattr(args, "profile", None) and llm.profile is None:
+              profile=args.profile)
+    if args.profile and llm.profile is None:
         raise MoetuneError(f"--profile {args.profile}: no tuned profile for {llm.model_key} on this machine "
                            "(run moetune autotune first, or leave --profile out for the defaults)")
     ours_settings = {"engine": "moetune", "threads": threads, "dtype": dtype, "precision": args.precision,

@@ -118,14 +118,11 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
 
 void reset_used() { t_used = 0; }
 void note_used(unsigned bits) { t_used |= bits; }
-void note_dot(int dot) {
-  t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
-            : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs : kUsedAvx512;
-}
-
 void note_micro(const WeightView& W) {
   // micro_sweep: INT4 with the int8 method and no dot form runs micro_int4b_dp on vpmaddubsw (MaddubsNibbles)
-  note_dot(W.fmt == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot);
+  const int dot = W.fmt == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot;
+  t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
+            : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs : kUsedAvx512;
 }
 
 std::string used_variants() {

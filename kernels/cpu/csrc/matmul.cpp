@@ -102,15 +102,16 @@ void Knobs::check() const {
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
-                  micro_order >= kOrderGroups && micro_order <= kOrderTilesNext && prefetch_hint >= kPrefetchT0 && prefetch_hint <= kPrefetchNone &&
+                  micro_order >= kOrderGroups && micro_order <= kOrderTilesNext && prefetch_hint >= kPrefetchT0 &&
+                  prefetch_hint <= kPrefetchNone &&
                   int4_method >= kInt4Float &&
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaMaddubs &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmAmx && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmAmx &&
                   int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
                   fp8_gemm <= kFp8GemmAmx,
-              "fp8_method, bf16_method, tile_rows, micro_order, prefetch_hint, int4_method, int8_isa, bf16_isa, bf16_gemm, int8_gemm, int4_gemm and "
-              "fp8_gemm must be set");
+              "fp8_method, bf16_method, tile_rows, micro_order, prefetch_hint, int4_method, int8_isa, bf16_isa, "
+              "bf16_gemm, int8_gemm, int4_gemm and fp8_gemm must be set");
   TORCH_CHECK(attn_head_fold >= 1 && attn_kv_splits >= 1 && attn_decode_kv_block >= 1 && attn_extend_q_block >= 1 &&
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");

@@ -90,21 +90,19 @@ inline void prefetch_row(const T* row, const uint8_t* next_row, int64_t k, const
   // the multi-token kernels' accumulators in memory and stored every one of them on each step.
   // W.prefetch_hint (knob cpu_prefetch_hint): into L1 (t0), L2 (t1), L3 / L2 (t2), or no prefetch; the
   // branch is the same on every step (predicted)
+  // (float32 rows: a step reads two lines, so both are prefetched)
+#define MOETUNE_PREFETCH(ins)                                                   \
+  do {                                                                          \
+    asm volatile(ins " (%0)" : : "r"(p));                                       \
+    if constexpr (F == kF32) asm volatile(ins " 64(%0)" : : "r"(p));            \
+  } while (0)
   switch (W.prefetch_hint) {
-    case kPrefetchT0:
-      asm volatile("prefetcht0 (%0)" : : "r"(p));
-      if constexpr (F == kF32) asm volatile("prefetcht0 64(%0)" : : "r"(p));
-      break;
-    case kPrefetchT1:
-      asm volatile("prefetcht1 (%0)" : : "r"(p));
-      if constexpr (F == kF32) asm volatile("prefetcht1 64(%0)" : : "r"(p));
-      break;
-    case kPrefetchT2:
-      asm volatile("prefetcht2 (%0)" : : "r"(p));
-      if constexpr (F == kF32) asm volatile("prefetcht2 64(%0)" : : "r"(p));
-      break;
+    case kPrefetchT0: MOETUNE_PREFETCH("prefetcht0"); break;
+    case kPrefetchT1: MOETUNE_PREFETCH("prefetcht1"); break;
+    case kPrefetchT2: MOETUNE_PREFETCH("prefetcht2"); break;
     default: break;
   }
+#undef MOETUNE_PREFETCH
 }
 
 template <int F, int R, int MT>

@@ -53,7 +53,6 @@ enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsed
                        kUsedMaddubs = 512, kUsedAmxModel = 1024 };
 void reset_used();
 void note_used(unsigned bits);
-void note_dot(int dot);
 // the microkernels' variant for weight W: its dot form, or maddubs where the INT4 int8 method runs without VNNI
 void note_micro(const WeightView& W);
 std::string used_variants();
