@@ -87,11 +87,18 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "table gather (lut), or widened through 16-bit lanes to bfloat16 bits against activations "
          "permuted to match (widen; exact, half the instructions; block K a multiple of 64, else vector)",
          choices=("vector", "lut", "widen")),
-    Knob("cpu_bf16_method", str, "split", "kernels/cpu",
+    Knob("cpu_bf16_method", str, "auto", "kernels/cpu",
          "CPU BF16 weights on float32 FMAs (where no AVX512-BF16 dot product runs): each bf16 widened to "
          "its own float32 lane (widen), or the two bf16 of each 32-bit lane split by a shift and a mask "
          "against activations de-interleaved to match (split; half the load and conversion "
-         "instructions)", choices=("widen", "split")),
+         "instructions), or split on 256-bit registers with tiles of at most 8 accumulators, for AVX2's 16 "
+         "registers (split256; AVX2 instructions, runs on every CPU the kernels run on); auto: split256 in "
+         "the AVX2 build of the kernels, split in the AVX-512 one", choices=("auto", "widen", "split", "split256")),
+    Knob("cpu_micro_k_block", int, 256, "kernels/cpu",
+         "CPU BF16 split256 microkernel: K elements per turn when a register tile's rows x tokens exceed its 8 "
+         "accumulators (4 x 4, 8 x 2, 8 x 4): the tile's row groups take turns over blocks of K this long, each "
+         "group's sums parked in memory between turns while the block's activations stay in L1",
+         choices=(64, 128, 256, 512, 1024, 2048)),
     Knob("cpu_int4_method", str, "int8", "kernels/cpu",
          "CPU INT4 weights: integer products against activations quantized per token to int16 (int16; "
          "groups of a multiple of 64), byte products against activations quantized per token and group "

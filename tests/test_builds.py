@@ -106,8 +106,9 @@ def _calls(cpu, weight, g, out) -> None:
 
     emulated = {"int8": ("avx512_vnni",), "bf16": ("avx512_bf16",), "fp8": ("avx512_bf16",)}
     # auto differs between the builds for the integer GEMMs (maddubs in the AVX2 build): named here, and
-    # the vpmaddubsw engine (AVX2 instructions in both builds) on its own
-    unpack = {"cpu_int8_gemm": "unpack", "cpu_int4_gemm": "unpack"}
+    # the vpmaddubsw engine (AVX2 instructions in both builds) on its own; likewise BF16's microkernel
+    # (cpu_bf16_method auto: split256 in the AVX2 build), split by name and split256 on its own
+    unpack = {"cpu_int8_gemm": "unpack", "cpu_int4_gemm": "unpack", "cpu_bf16_method": "split"}
     maddubs = {"cpu_int8_gemm": "maddubs", "cpu_int4_gemm": "maddubs"}
     for fmt in ("f32", "bf16", "int8", "fp8", "int4_g128"):
         w = cpu.prepare(weight(torch.randn(300, 1000, generator=g) * 0.05, fmt))
@@ -120,6 +121,8 @@ def _calls(cpu, weight, g, out) -> None:
                         out[f"linear/{fmt}/{t}/{dt}/{u}"] = cpu.linear(x, w, knobs={**unpack, "cpu_unpack_gemm": u})
                 else:
                     out[f"linear/{fmt}/{t}/{dt}"] = cpu.linear(x, w, knobs=unpack)
+                if fmt == "bf16" and t in (1, 3):
+                    out[f"linear/{fmt}/{t}/{dt}/split256"] = cpu.linear(x, w, knobs={**unpack, "cpu_bf16_method": "split256"})
                 if fmt in ("int8", "int4_g128") and t in (37, 300):
                     out[f"linear/{fmt}/{t}/{dt}/maddubs"] = cpu.linear(x, w, knobs=maddubs)
                 if fmt in emulated and t in (3, 300):  # the dot-product variants on their models
@@ -135,6 +138,8 @@ def _calls(cpu, weight, g, out) -> None:
             tw = torch.rand(t, 3, generator=g) + 0.1
             xm = torch.randn(t, d, generator=g)
             out[f"moe/{fmt}/{t}"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=unpack)
+            if fmt == "bf16":
+                out[f"moe/{fmt}/{t}/split256"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs={**unpack, "cpu_bf16_method": "split256"})
             if fmt in ("int8", "int4_g128"):
                 out[f"moe/{fmt}/{t}/maddubs"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=maddubs)
     x, r, nw = torch.randn(5, 1000, generator=g), torch.randn(5, 1000, generator=g), torch.rand(1000, generator=g)

@@ -48,6 +48,9 @@ AUTO_INT_GEMM = "maddubs" if cpu._ext.BUILD == "avx2" else UNPACK
 # what an INT8 microkernel records under cpu_int8_isa=auto where no VNNI runs: vpmaddubsw in the AVX2 build,
 # the int16 vpmaddwd kernel in the AVX-512 one
 AUTO_INT8_MICRO = "maddubs" if cpu._ext.BUILD == "avx2" else "avx512"
+# what a BF16 microkernel on float32 FMAs records under cpu_bf16_method=auto: the 256-bit split kernel
+# (micro_bf16y) in the AVX2 build, the 512-bit one in the AVX-512 build
+AUTO_BF16_MICRO = "avx2" if cpu._ext.BUILD == "avx2" else "avx512"
 MICRO = {"cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}  # every shape through the microkernels
 ROWS_TOKENS = [(r, t) for r in (4, 8) for t in (1, 2, 4)]
 
@@ -173,7 +176,7 @@ def test_the_record_is_off_outside_and_nests():
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
     # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
-    return {"avx512", "blas", "fma", "onednn", "maddubs"} | {v for v, f in need.items() if f in mask}
+    return {"avx512", "avx2", "blas", "fma", "onednn", "maddubs"} | {v for v, f in need.items() if f in mask}
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -252,9 +255,11 @@ def test_auto_and_requested_variants_resolve_to_the_best_present():
         assert run_linear(x, w, {"cpu_int8_isa": "vnni"}, emulate=["avx512_vnni"])[1] == "vnni-model"
     wb = formats.DenseWeight(torch.randn(64, 256).to(torch.bfloat16))
     bf16 = "avx512_bf16" in HAS
-    assert run_linear(x, wb, {"cpu_bf16_isa": "auto"})[1] == "avx512"  # float32 activations: not rounded
-    assert run_linear(x.bfloat16(), wb, {"cpu_bf16_isa": "auto"})[1] == ("avx512bf16" if bf16 else "avx512")
-    assert run_linear(x, wb, {"cpu_bf16_isa": "avx512bf16"})[1] == ("avx512bf16" if bf16 else "avx512")
+    assert run_linear(x, wb, {"cpu_bf16_isa": "auto"})[1] == AUTO_BF16_MICRO  # float32 activations: not rounded
+    assert run_linear(x.bfloat16(), wb, {"cpu_bf16_isa": "auto"})[1] == ("avx512bf16" if bf16 else AUTO_BF16_MICRO)
+    assert run_linear(x, wb, {"cpu_bf16_isa": "avx512bf16"})[1] == ("avx512bf16" if bf16 else AUTO_BF16_MICRO)
+    for method, want in (("split", "avx512"), ("widen", "avx512"), ("split256", "avx2")):
+        assert run_linear(x, wb, {"cpu_bf16_isa": "avx512", "cpu_bf16_method": method})[1] == want
     with pytest.raises(ValueError, match="no C\\+\\+ model"):
         with cpu.emulate(["avx512_fp16"]):
             pass
@@ -542,7 +547,7 @@ def test_bf16_dot_linear(fmt, shape):
     got, used = run_linear(xr, w, {"cpu_bf16_isa": "auto"}, emulate)  # bf16 activations: taken by auto
     assert used == "avx512bf16-model"
     check(got, reference.linear(xr, w), BF16_LINEAR, f"bf16 dot {fmt} {shape} bf16 activations")
-    assert run_linear(x, w, {"cpu_bf16_isa": "auto"}, emulate)[1] == "avx512"  # float32 ones: not rounded
+    assert run_linear(x, w, {"cpu_bf16_isa": "auto"}, emulate)[1] == (AUTO_BF16_MICRO if fmt == "bf16" else "avx512")  # float32 ones: not rounded
     forced, used = run_linear(x, w, {"cpu_bf16_isa": "avx512bf16"}, emulate)
     assert used == "avx512bf16-model"
     check(forced, reference.linear(xr.float(), w), TIGHT, f"bf16 dot {fmt} {shape} vs rounded activations")
@@ -643,7 +648,7 @@ def test_bf16_gemm_onednn_is_torch_linear_bitwise(shape):
     with cpu.feature_mask(set()):
         assert run_linear(x.bfloat16(), w, gemm)[1] == UNPACK
         # the unpack path of BF16 starts at cpu_bf16_gemm_min_tokens, not cpu_gemm_min_tokens
-        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_bf16_gemm_min_tokens": t + 1})[1] == "avx512"
+        assert run_linear(x.bfloat16(), w, {**gemm, "cpu_bf16_gemm_min_tokens": t + 1})[1] == AUTO_BF16_MICRO
         assert run_linear(x.bfloat16(), w, {**gemm, "cpu_gemm_min_tokens": t + 1, "cpu_bf16_gemm_min_tokens": t})[1] == UNPACK
 
 
@@ -1075,7 +1080,7 @@ def test_dot_gemm_threshold_is_its_own(t):
         y8, used8 = run_linear(x, w8, knobs, emulate)
         assert used8 == (vnni if t >= dot else "avx512"), (dot, gemm, used8)
         yb, usedb = run_linear(x, wb, knobs)
-        assert usedb == (UNPACK if t >= bf16 else "avx512"), (bf16, usedb)
+        assert usedb == (UNPACK if t >= bf16 else AUTO_BF16_MICRO), (bf16, usedb)
         yf, usedf = run_linear(x, wf, knobs)
         assert usedf == (UNPACK if t >= gemm else "avx512"), (gemm, usedf)
         check(y8, reference.linear(x, w8), tight("int8"), f"int8 T={t} dot={dot}")

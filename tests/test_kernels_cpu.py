@@ -549,3 +549,30 @@ def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
                 widen = cpu.linear(x, w, knobs={**base, "cpu_bf16_method": "widen"})
                 check(split, ref, TIGHT, f"split K={k} T={t} {rows}x{tokens}")
                 check(split, widen, TIGHT, f"split vs widen K={k} T={t} {rows}x{tokens}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 15, 16, 17, 31, 32, 33, 95, 1000])
+def test_bf16_split256_is_one_result_for_every_tile_and_k_block(k):
+    """cpu_bf16_method=split256 (micro_bf16y: the split arithmetic on 256-bit registers, at most 8
+    accumulators, the row groups of 4 x 4 / 8 x 2 / 8 x 4 tiles taking turns over K blocks): within TIGHT
+    of the reference and of split, and the same bits for every rows x tokens tile, every cpu_micro_k_block,
+    every order and token count (each accumulator's operations do not depend on them); row lengths that
+    end mid-pair and mid-chunk (the zero-padded last chunk); the call record names avx2."""
+    g = torch.Generator().manual_seed(100 + k)
+    w = cpu.prepare(formats.DenseWeight(torch.randn(37, k, generator=g).to(torch.bfloat16)))
+    xs = torch.randn(7, k, generator=g)
+    micro = {"cpu_gemm_min_tokens": 64, "cpu_bf16_isa": "avx512"}
+    first = cpu.linear(xs, w, knobs={**micro, "cpu_bf16_method": "split256"})
+    check(first, reference.linear(xs, w.orig), TIGHT, f"split256 K={k}")
+    check(first, cpu.linear(xs, w, knobs={**micro, "cpu_bf16_method": "split"}), TIGHT, f"split256 vs split K={k}")
+    for t in (1, 2, 3, 7):
+        for rows in (4, 8):
+            for tokens in (1, 2, 4):
+                for kb in (64, 256, 2048):
+                    knobs = {**micro, "cpu_micro_rows": rows, "cpu_micro_tokens": tokens, "cpu_micro_k_block": kb,
+                             "cpu_bf16_method": "split256",
+                             "cpu_micro_order": ("groups", "tiles", "tiles_next")[(rows + tokens + kb) % 3]}
+                    with cpu.recording() as rec:
+                        y = cpu.linear(xs[:t], w, knobs=knobs)
+                    assert rec[0]["isa"] == "avx2", rec
+                    assert torch.equal(y, first[:t]), (k, t, rows, tokens, kb)

@@ -39,7 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Fp8Method>(m, "Fp8Method")
       .value("vector", moetune::kFp8Vector).value("lut", moetune::kFp8Lut).value("widen", moetune::kFp8Widen);
   py::enum_<moetune::Bf16Method>(m, "Bf16Method")
-      .value("widen", moetune::kBf16Widen).value("split", moetune::kBf16Split);
+      .value("widen", moetune::kBf16Widen).value("split", moetune::kBf16Split)
+      .value("split256", moetune::kBf16Split256).value("auto", moetune::kBf16MethodAuto);
   py::enum_<moetune::TileRows>(m, "TileRows")
       .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
   py::enum_<moetune::MicroOrder>(m, "MicroOrder")
@@ -98,6 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)
       .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
+      .def_readwrite("micro_k_block", &Knobs::micro_k_block)
       .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)

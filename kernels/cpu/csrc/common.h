@@ -28,13 +28,15 @@ constexpr bool kAvx2Build = false;
 enum Format : int {
   kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
   kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
-  kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16, kInt8Mb = 17,
+  kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16, kInt8Mb = 17, kBF16y = 18,
 };
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or
-// the two bf16 of each 32-bit lane split by a shift and a mask against de-interleaved activations (split).
-enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1 };
+// the two bf16 of each 32-bit lane split by a shift and a mask against de-interleaved activations (split), the
+// same on 256-bit registers with tiles for AVX2's 16 (split256, micro_bf16y); auto: split256 in the AVX2 build,
+// split in the AVX-512 one.
+enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1, kBf16Split256 = 2, kBf16MethodAuto = 3 };
 // cpu_tile_rows: which rows of a sweep a register tile of R rows reads: R adjacent rows (adjacent: R streams
 // of one row each per tile), or rows a sweep's rows / R apart (spread: R streams that each run through
 // rows / R consecutive rows, one long sequential read per stream, as the probe's fastest reader).
@@ -92,6 +94,8 @@ struct WeightView {
   bool int4_i8 = false;          // int4: byte products with per-group int8 activations (group % 128 == 0)
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
   bool bf16_split = false;       // bf16 on float FMAs: the split microkernel on de-interleaved activations
+  bool bf16_ymm = false;         // ... in its 256-bit form (micro_bf16y)
+  int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups (knob cpu_micro_k_block)
   // microkernels: bytes ahead in a row that their prefetch reads, in (0, row_bytes]; row_bytes = the next
   // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
   int64_t prefetch_dist = 0;
@@ -100,7 +104,7 @@ struct WeightView {
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
-  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = bf16_split = false; dot = kDotNone; }
+  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = bf16_split = bf16_ymm = false; dot = kDotNone; }
 };
 
 // Every per-call knob of kernels/cpu_knobs.py, named as in the catalogue without "cpu_" (bound by
@@ -125,6 +129,7 @@ struct Knobs {
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
+  int64_t micro_k_block = 0;     // micro_bf16y: K elements per turn of a tile's row groups
   PrefetchHint prefetch_hint = (PrefetchHint)-1;
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;

@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model", "avx2"};
 }  // namespace
 
 unsigned detected_features() {
@@ -121,8 +121,10 @@ void note_used(unsigned bits) { t_used |= bits; }
 void note_micro(const WeightView& W) {
   // micro_sweep: INT4 with the int8 method and no dot form runs micro_int4b_dp on vpmaddubsw (MaddubsNibbles)
   const int dot = W.fmt == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot;
+  // BF16 on split256: 256-bit instructions only (micro_bf16y), named avx2
   t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
-            : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs : kUsedAvx512;
+            : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs
+            : W.bf16_ymm ? kUsedAvx2 : kUsedAvx512;
 }
 
 std::string used_variants() {

@@ -34,6 +34,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
     case kInt4i: return get_micro_int4i(rows, tokens);
     case kFp8w: return get_micro_fp8w(rows, tokens);
     case kBF16s: return get_micro_bf16s(rows, tokens);
+    case kBF16y: return get_micro_bf16y(rows, tokens);
     case kInt4b: return get_micro_int4b(rows, tokens);
     case kInt8Dp: case kInt8DpModel: case kInt8Mb: return get_micro_int8_dot(fmt, rows, tokens);
     case kInt4bDp: case kInt4bDpModel: return get_micro_int4_dot(fmt, rows, tokens);
@@ -84,7 +85,9 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   }
   v.act_bf16 = act_bf16;
   v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
-  v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method == kBf16Split;
+  v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method != kBf16Widen;
+  v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
+  v.k_block = kn.micro_k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
@@ -96,12 +99,13 @@ void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
                   amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
-                  prefetch_ahead % 64 == 0,
+                  prefetch_ahead % 64 == 0 && micro_k_block >= 32 && micro_k_block % 32 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens ≥ 0, "
-              "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0");
+              "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0, "
+              "micro_k_block a multiple of 32 ≥ 32");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
-                  bf16_method <= kBf16Split && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
+                  bf16_method <= kBf16MethodAuto && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
                   micro_order >= kOrderGroups && micro_order <= kOrderTilesNext && prefetch_hint >= kPrefetchT0 &&
                   prefetch_hint <= kPrefetchNone &&
                   int4_method >= kInt4Float &&
@@ -351,6 +355,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
                   : W.fmt == kBF16 && bf16dot                 ? (model ? kBF16DpModel : kBF16Dp)
                   : W.fmt == kFp8 && bf16dot                  ? (model ? kFp8DpModel : kFp8Dp)
                   : W.fmt == kFp8 && W.fp8_widen              ? kFp8w
+                  : W.fmt == kBF16 && W.bf16_ymm              ? kBF16y
                   : W.fmt == kBF16 && W.bf16_split            ? kBF16s
                                                               : W.fmt;
   // MT tokens per tile while that many are left, then pairs, then single tokens

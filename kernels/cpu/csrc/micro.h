@@ -42,6 +42,7 @@ MicroFn get_micro_int4i(int rows, int tokens);
 MicroFn get_micro_fp8w(int rows, int tokens);
 MicroFn get_micro_int4b(int rows, int tokens);
 MicroFn get_micro_bf16s(int rows, int tokens);
+MicroFn get_micro_bf16y(int rows, int tokens);
 // The dot-product variants (micro_dot.inc): fmt is one of kInt8Dp .. kFp8DpModel
 MicroFn get_micro_int8_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_int4_dot(int fmt, int rows, int tokens);
@@ -427,6 +428,133 @@ void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }
 
+// Horizontal sum of 8 float32 lanes (a fixed order: the halves, then pairs, then the last two).
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// One row group of micro_bf16y over K elements [kb, ke) (multiples of 16; past K, the row's last elements
+// come from a zero-padded copy): RG rows × MT tokens of accumulators. Per 16 weights of a row, one 32-byte
+// load: the even elements by a shift left by 16, the odd ones by masking the low half away, against the
+// activations' even and odd elements (Act::xd: per 32, the 16 even, then the 16 odd: this chunk's half h
+// meets xd + 8h and xd + 16 + 8h). MT = 1: both halves of each load at once (2 FMAs per load); MT ≥ 2: the
+// even halves of all RG rows against the MT even activation vectors, then the odd halves (each row loaded
+// again, from L1), so that RG·MT accumulators + MT activation vectors + 3 stay in AVX2's 16 registers.
+// Every accumulator sees even-then-odd per chunk, in K order, whatever RG and MT.
+template <int RG, int MT>
+__attribute__((always_inline)) inline void bf16y_rows(const uint16_t* const* row, const uint8_t* const* nrow,
+                                                       const float* const* x, int64_t kb, int64_t ke,
+                                                       const WeightView& W, __m256 (&acc)[RG][MT]) {
+  const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+  const int64_t K = W.K, full = K & ~int64_t(15), kf = ke < full ? ke : full;
+  // 16 weights of each row at rp[r] (element k of the row), against the activations of this 16: even ones at
+  // xd + xi, odd ones at xd + xi + 16 (xi: k's 32-chunk + 8 for its second half); pf: prefetch this row's line
+  auto step = [&](int64_t k, int64_t xi, const uint16_t* const* rp, bool pf) __attribute__((always_inline)) {
+    if constexpr (MT == 1) {
+      const __m256 xe = _mm256_loadu_ps(x[0] + xi), xo = _mm256_loadu_ps(x[0] + xi + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < RG; ++r) {
+        if (pf) prefetch_row<kBF16>(row[r], nrow[r], k, W);
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r]));
+        acc[r][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), xe, acc[r][0]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w, hi)), xo, acc[r][0]);
+      }
+    } else {
+      __m256 xv[MT];
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x[m] + xi);
+#pragma GCC unroll 8
+      for (int r = 0; r < RG; ++r) {
+        if (pf) prefetch_row<kBF16>(row[r], nrow[r], k, W);
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r])), 16));
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(we, xv[m], acc[r][m]);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x[m] + xi + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < RG; ++r) {
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r])), hi));
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(wo, xv[m], acc[r][m]);
+      }
+    }
+  };
+  const uint16_t* rp[RG];
+  int64_t k = kb;  // kb: a multiple of 32 (cpu_micro_k_block is)
+  for (; k + 32 <= kf; k += 32) {  // whole 64-byte chunks: one prefetch per row
+#pragma GCC unroll 8
+    for (int r = 0; r < RG; ++r) rp[r] = row[r] + k;
+    step(k, k, rp, true);
+#pragma GCC unroll 8
+    for (int r = 0; r < RG; ++r) rp[r] = row[r] + k + 16;
+    step(k + 16, k + 8, rp, false);
+  }
+  if (k < kf) {  // a last whole 16 (kf = K rounded down to 16)
+#pragma GCC unroll 8
+    for (int r = 0; r < RG; ++r) rp[r] = row[r] + k;
+    step(k, k, rp, true);
+    k += 16;
+  }
+  if (ke > full && full < K) {  // the row's last K % 16 elements, zero-padded (the activations are zero there)
+    alignas(32) uint16_t tail[RG][16] = {};
+    for (int r = 0; r < RG; ++r) {
+      std::memcpy(tail[r], row[r] + full, (K - full) * sizeof(uint16_t));
+      rp[r] = tail[r];
+    }
+    step(full, (full & ~int64_t(31)) + ((full & 16) >> 1), rp, false);
+  }
+}
+
+// BF16 by split lanes on 256-bit registers ("split256", cpu_bf16_method; auto in the AVX2 build): micro_bf16s's
+// arithmetic on the same de-interleaved activations, written for AVX2's 16 ymm registers (native in both
+// builds; the AVX2 build's micro_bf16s holds its R × MT zmm accumulators as 2 × R × MT ymm: 32 for a 4 × 4
+// tile, spilled on every chunk). A tile keeps at most 8 accumulators: RG = min(R, 8 / MT) rows at a time;
+// where RG < R (4 × 4, 8 × 2, 8 × 4) the row groups take turns over K blocks of W.k_block elements
+// (cpu_micro_k_block), each group's accumulators parked in memory between its blocks while the block's
+// activations stay in L1. The result is the same bits for every R, MT and block (each accumulator's
+// operations and their order do not depend on them).
+template <int R, int MT>
+void micro_bf16y(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
+                 const uint8_t* next) {
+  constexpr int RG = R < 8 / MT ? R : 8 / MT, P = R / RG;
+  const uint16_t* row[R];
+  const uint8_t* nrow[R];
+  const float* x[MT];
+  for (int r = 0; r < R; ++r) {
+    row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
+    nrow[r] = next_tile_row(W, next, r);
+  }
+  for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
+  const int64_t kend = (W.K + 15) & ~int64_t(15);
+  if constexpr (P == 1) {
+    __m256 acc[RG][MT];
+    for (int r = 0; r < RG; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+    bf16y_rows<RG, MT>(row, nrow, x, 0, kend, W, acc);
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(acc[r][m]);
+  } else {
+    alignas(32) float park[P][RG][MT][8] = {};
+    for (int64_t kb = 0; kb < kend; kb += W.k_block) {
+      const int64_t ke = kb + W.k_block < kend ? kb + W.k_block : kend;
+#pragma GCC unroll 1
+      for (int p = 0; p < P; ++p) {
+        __m256 acc[RG][MT];
+        for (int r = 0; r < RG; ++r)
+          for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_load_ps(park[p][r][m]);
+        bf16y_rows<RG, MT>(row + p * RG, nrow + p * RG, x, kb, ke, W, acc);
+        for (int r = 0; r < RG; ++r)
+          for (int m = 0; m < MT; ++m) _mm256_store_ps(park[p][r][m], acc[r][m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(_mm256_load_ps(park[r / RG][r % RG][m]));
+  }
+}
+
 // The (rows, tokens) instantiations of one format: rows 4 or 8, tokens 1, 2 or 4.
 template <int F, int R>
 MicroFn pick_tokens(int tokens) {
@@ -436,6 +564,8 @@ MicroFn pick_tokens(int tokens) {
     switch (tokens) { case 1: return micro_int4i<R, 1>; case 2: return micro_int4i<R, 2>; case 4: return micro_int4i<R, 4>; }
   } else if constexpr (F == kBF16s) {
     switch (tokens) { case 1: return micro_bf16s<R, 1>; case 2: return micro_bf16s<R, 2>; case 4: return micro_bf16s<R, 4>; }
+  } else if constexpr (F == kBF16y) {
+    switch (tokens) { case 1: return micro_bf16y<R, 1>; case 2: return micro_bf16y<R, 2>; case 4: return micro_bf16y<R, 4>; }
   } else if constexpr (F == kFp8w) {
     switch (tokens) { case 1: return micro_fp8w<R, 1>; case 2: return micro_fp8w<R, 2>; case 4: return micro_fp8w<R, 4>; }
   } else {

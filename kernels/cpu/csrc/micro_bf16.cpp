@@ -5,6 +5,7 @@
 namespace moetune {
 MicroFn get_micro_bf16(int rows, int tokens) { return pick_rows<kBF16>(rows, tokens); }
 MicroFn get_micro_bf16s(int rows, int tokens) { return pick_rows<kBF16s>(rows, tokens); }
+MicroFn get_micro_bf16y(int rows, int tokens) { return pick_rows<kBF16y>(rows, tokens); }
 }  // namespace moetune
 
 // The BF16 dot-product variants: micro_dot.inc on the instruction (dot_hw) and on its C++ model (dot_model).
