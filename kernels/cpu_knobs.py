@@ -94,11 +94,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "instructions), or split on 256-bit registers with tiles of at most 8 accumulators, for AVX2's 16 "
          "registers (split256; AVX2 instructions, runs on every CPU the kernels run on); auto: split256 in "
          "the AVX2 build of the kernels, split in the AVX-512 one", choices=("auto", "widen", "split", "split256")),
-    Knob("cpu_micro_k_block", int, 256, "kernels/cpu",
-         "CPU BF16 split256 microkernel: K elements per turn when a register tile's rows x tokens exceed its 8 "
-         "accumulators (4 x 4, 8 x 2, 8 x 4): the tile's row groups take turns over blocks of K this long, each "
-         "group's sums parked in memory between turns while the block's activations stay in L1",
-         choices=(64, 128, 256, 512, 1024, 2048)),
+    Knob("cpu_k_block", int, 512, "kernels/cpu",
+         "CPU register-tile kernels written for AVX2's 16 registers: K elements per pass, so that a pass's "
+         "operands stay in L1. The BF16 split256 microkernel: where a tile's rows x tokens exceed its 8 "
+         "accumulators (4 x 4, 8 x 2, 8 x 4), the tile's row groups take turns over blocks of K this long, each "
+         "group's sums parked in memory between turns; the FMA tile GEMM (cpu_unpack_gemm=fma): each 6 x 16 "
+         "tile's K in passes this long over its slice of x and of the weight panel, summed into the output",
+         choices=(64, 128, 256, 512, 1024, 2048, 4096)),
     Knob("cpu_int4_method", str, "int8", "kernels/cpu",
          "CPU INT4 weights: integer products against activations quantized per token to int16 (int16; "
          "groups of a multiple of 64), byte products against activations quantized per token and group "

@@ -1094,7 +1094,7 @@ def test_unpack_gemm_fma_tiles_match_the_reference(fmt):
     """cpu_unpack_gemm=fma (our 6 × 16 FMA register tiles on K-major panels, matmul.cpp gemm_fma) against the
     reference and against BLAS on the same unpacked weights, on regular, odd and corner shapes: rows of x
     around the 6-row tile (1, 5, 6, 7, 37), weight rows around the 16-row panel (1, 15, 16, 17, 70), K odd
-    and tiny. Bound: 2e-5 with float32 activations (float32 sums, only the order differs); INT4's int8
+    and tiny, K in one pass and in passes of cpu_k_block. Bound: 2e-5 with float32 activations (float32 sums, only the order differs); INT4's int8
     method does not apply (the GEMM path multiplies float activations), so INT4 is within 2e-5 too."""
     g = torch.Generator().manual_seed(11)
     gemm = {"cpu_gemm_min_tokens": 1, "cpu_bf16_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 4096,
@@ -1110,6 +1110,9 @@ def test_unpack_gemm_fma_tiles_match_the_reference(fmt):
         assert rec[-1]["isa"] == "fma", rec[-1]
         check(y, reference.linear(x, w), TIGHT, f"fma {fmt} {m}x{n}x{k}")
         check(y, cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "blas"}), TIGHT, f"fma vs blas {fmt} {m}x{n}x{k}")
+        for kb in (64, 4096):  # K in passes (1000: 16 of 64, the last one 40 long) or in one
+            check(cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "fma", "cpu_k_block": kb}), y, TIGHT,
+                  f"fma k_block {kb} {fmt} {m}x{n}x{k}")
     x = torch.randn(3, 40, generator=g)  # K smaller than a cache line of the panel strips
     w = make_weight(torch.randn(17, 40, generator=g) * 0.05, "f32")
     check(cpu.linear(x, w, knobs={**gemm, "cpu_unpack_gemm": "fma"}), reference.linear(x, w), TIGHT, "fma K=40")

@@ -555,7 +555,7 @@ def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
 def test_bf16_split256_is_one_result_for_every_tile_and_k_block(k):
     """cpu_bf16_method=split256 (micro_bf16y: the split arithmetic on 256-bit registers, at most 8
     accumulators, the row groups of 4 x 4 / 8 x 2 / 8 x 4 tiles taking turns over K blocks): within TIGHT
-    of the reference and of split, and the same bits for every rows x tokens tile, every cpu_micro_k_block,
+    of the reference and of split, and the same bits for every rows x tokens tile, every cpu_k_block,
     every order and token count (each accumulator's operations do not depend on them); row lengths that
     end mid-pair and mid-chunk (the zero-padded last chunk); the call record names avx2."""
     g = torch.Generator().manual_seed(100 + k)
@@ -569,7 +569,7 @@ def test_bf16_split256_is_one_result_for_every_tile_and_k_block(k):
         for rows in (4, 8):
             for tokens in (1, 2, 4):
                 for kb in (64, 256, 2048):
-                    knobs = {**micro, "cpu_micro_rows": rows, "cpu_micro_tokens": tokens, "cpu_micro_k_block": kb,
+                    knobs = {**micro, "cpu_micro_rows": rows, "cpu_micro_tokens": tokens, "cpu_k_block": kb,
                              "cpu_bf16_method": "split256",
                              "cpu_micro_order": ("groups", "tiles", "tiles_next")[(rows + tokens + kb) % 3]}
                     with cpu.recording() as rec:

@@ -99,7 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)
       .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
-      .def_readwrite("micro_k_block", &Knobs::micro_k_block)
+      .def_readwrite("k_block", &Knobs::k_block)
       .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)

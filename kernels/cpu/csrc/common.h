@@ -95,7 +95,7 @@ struct WeightView {
   bool fp8_widen = false;        // fp8: the widen microkernel on permuted activations (group % 64 == 0)
   bool bf16_split = false;       // bf16 on float FMAs: the split microkernel on de-interleaved activations
   bool bf16_ymm = false;         // ... in its 256-bit form (micro_bf16y)
-  int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups (knob cpu_micro_k_block)
+  int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups (knob cpu_k_block)
   // microkernels: bytes ahead in a row that their prefetch reads, in (0, row_bytes]; row_bytes = the next
   // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
   int64_t prefetch_dist = 0;
@@ -129,7 +129,7 @@ struct Knobs {
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
-  int64_t micro_k_block = 0;     // micro_bf16y: K elements per turn of a tile's row groups
+  int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups; gemm_fma: per pass
   PrefetchHint prefetch_hint = (PrefetchHint)-1;
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
@@ -145,6 +145,12 @@ struct Knobs {
 };
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+// Horizontal sum of 8 float32 lanes (a fixed order: the halves, then pairs, then the last two).
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
 
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 

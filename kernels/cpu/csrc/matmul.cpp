@@ -87,7 +87,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
   v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method != kBf16Widen;
   v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
-  v.k_block = kn.micro_k_block;
+  v.k_block = kn.k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
@@ -99,11 +99,11 @@ void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
                   amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
-                  prefetch_ahead % 64 == 0 && micro_k_block >= 32 && micro_k_block % 32 == 0,
+                  prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens ≥ 0, "
               "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0, "
-              "micro_k_block a multiple of 32 ≥ 32");
+              "k_block a multiple of 32 ≥ 32");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16MethodAuto && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
                   micro_order >= kOrderGroups && micro_order <= kOrderTilesNext && prefetch_hint >= kPrefetchT0 &&
@@ -497,9 +497,9 @@ at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs
 // of AVX2's 16 ymm registers: the classic 6 × 16 AVX2 FMA tile), so each k costs 6 broadcasts and two
 // panel loads, all sequential, for 12 FMAs. Written on 256-bit intrinsics in both builds (native there:
 // the AVX-512 model is not involved); float32 FMAs in K order, so the result differs from BLAS's by
-// summation order only.
+// summation order only. gemm_fma runs K in passes (cpu_k_block): `add` sums this pass into C.
 __attribute__((target("avx2,fma"))) void fma_tile(const float* a, const float* p, int64_t K, float* c, int64_t ldc,
-                                                  int64_t rows, int64_t ncols) {
+                                                  int64_t rows, int64_t ncols, bool add) {
   __m256 acc[6][2];
   for (int i = 0; i < 6; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -519,13 +519,51 @@ __attribute__((target("avx2,fma"))) void fma_tile(const float* a, const float* p
     _mm256_store_ps(t[i], acc[i][0]);
     _mm256_store_ps(t[i] + 8, acc[i][1]);
   }
-  for (int64_t i = 0; i < rows; ++i) std::memcpy(c + i * ldc, t[i], ncols * sizeof(float));
+  for (int64_t i = 0; i < rows; ++i)
+    if (add)
+      for (int64_t j = 0; j < ncols; ++j) c[i * ldc + j] += t[i][j];
+    else
+      std::memcpy(c + i * ldc, t[i], ncols * sizeof(float));
+}
+
+// The K-major panel of 16 unpacked rows: p[16 k + j] = rows[j K + k]; 8 × 8 blocks transposed in registers
+// (8 loads, 24 shuffles, 8 stores per 64 floats, where the scalar loop took 64 loads and 64 stores: 19 % of
+// gemm_fma's time at [4096, 2048] × 128 tokens on a Zen 3), the last K % 8 columns one by one.
+__attribute__((target("avx2,fma"))) void panel_16(const float* rows, int64_t K, float* p) {
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t k0 = 0; k0 < k8; k0 += 8)
+    for (int h = 0; h < 16; h += 8) {
+      __m256 r[8], t[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (h + i) * K + k0);
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved: (r0 k0, r1 k0, r0 k1, r1 k1 | ...k4, k5)
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < 8; i += 4) {  // four rows per k: (r0..r3 at k0 | k4), (k1 | k5), (k2 | k6), (k3 | k7)
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {  // rows 0-3 beside rows 4-7: k = i (low halves), k = i + 4 (high halves)
+        _mm256_storeu_ps(p + 16 * (k0 + i) + h, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(p + 16 * (k0 + i + 4) + h, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+    }
+  for (int64_t k = k8; k < K; ++k)
+    for (int j = 0; j < 16; ++j) p[16 * k + j] = rows[j * K + k];
 }
 
 // out [M, N] = x [M, K] · Wᵀ: x packed once into K-major tiles of 6 rows; per parallel task one panel
 // of 16 weight rows, unpacked (unpack_rows_f32) and transposed into the K-major panel once, then
-// every tile of x.
-at::Tensor gemm_fma(const at::Tensor& x_act, const WeightView& W) {
+// every tile of x, K in passes of kb elements (cpu_k_block): each tile's pass reads its A slice
+// (6 × kb floats) and the panel's (16 × kb) from L1, where a whole K of both (6 and 16 × K: 48 and
+// 128 KiB at K = 2048) streamed from L2 on every k.
+at::Tensor gemm_fma(const at::Tensor& x_act, const WeightView& W, int64_t kb) {
   const at::Tensor x = x_act.contiguous();
   const int64_t M = x.size(0), K = W.K, N = W.N, panels = (N + 15) / 16, tiles = (M + 5) / 6;
   at::Tensor out = at::empty({M, N}, at::kFloat);
@@ -545,11 +583,11 @@ at::Tensor gemm_fma(const at::Tensor& x_act, const WeightView& W) {
       const int64_t n0 = pn * 16, nc = std::min<int64_t>(16, N - n0);
       unpack_rows_f32(W, n0, n0 + nc, rows.data());
       if (nc < 16) std::fill(rows.begin() + nc * K, rows.end(), 0.f);
-      for (int64_t k0 = 0; k0 < K; k0 += 64)  // transposed in 64-column strips (each row's strip one line run)
-        for (int j = 0; j < 16; ++j)
-          for (int64_t k = k0; k < std::min(K, k0 + 64); ++k) panel[16 * k + j] = rows[j * K + k];
-      for (int64_t t = 0; t < tiles; ++t)
-        fma_tile(ap + t * 6 * K, panel, K, o + 6 * t * N + n0, N, std::min<int64_t>(6, M - 6 * t), nc);
+      panel_16(rows.data(), K, panel);
+      for (int64_t k0 = 0; k0 < K; k0 += kb)
+        for (int64_t t = 0; t < tiles; ++t)
+          fma_tile(ap + t * 6 * K + 6 * k0, panel + 16 * k0, std::min(kb, K - k0), o + 6 * t * N + n0, N,
+                   std::min<int64_t>(6, M - 6 * t), nc, k0 > 0);
     }
   });
   return out;
@@ -586,7 +624,7 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   }
   if (unpack_gemm_fma(kn)) {
     note_used(kUsedFma);
-    return gemm_fma(x_act.to(at::kFloat), W);
+    return gemm_fma(x_act.to(at::kFloat), W, kn.k_block);
   }
   note_used(kUsedBlas);
   const int64_t M = x_act.size(0), bn = kn.gemm_block_n;

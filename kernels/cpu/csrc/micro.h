@@ -428,13 +428,6 @@ void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }
 
-// Horizontal sum of 8 float32 lanes (a fixed order: the halves, then pairs, then the last two).
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // One row group of micro_bf16y over K elements [kb, ke) (multiples of 16; past K, the row's last elements
 // come from a zero-padded copy): RG rows × MT tokens of accumulators. Per 16 weights of a row, one 32-byte
 // load: the even elements by a shift left by 16, the odd ones by masking the low half away, against the
@@ -483,7 +476,7 @@ __attribute__((always_inline)) inline void bf16y_rows(const uint16_t* const* row
     }
   };
   const uint16_t* rp[RG];
-  int64_t k = kb;  // kb: a multiple of 32 (cpu_micro_k_block is)
+  int64_t k = kb;  // kb: a multiple of 32 (cpu_k_block is)
   for (; k + 32 <= kf; k += 32) {  // whole 64-byte chunks: one prefetch per row
 #pragma GCC unroll 8
     for (int r = 0; r < RG; ++r) rp[r] = row[r] + k;
@@ -513,7 +506,7 @@ __attribute__((always_inline)) inline void bf16y_rows(const uint16_t* const* row
 // builds; the AVX2 build's micro_bf16s holds its R × MT zmm accumulators as 2 × R × MT ymm: 32 for a 4 × 4
 // tile, spilled on every chunk). A tile keeps at most 8 accumulators: RG = min(R, 8 / MT) rows at a time;
 // where RG < R (4 × 4, 8 × 2, 8 × 4) the row groups take turns over K blocks of W.k_block elements
-// (cpu_micro_k_block), each group's accumulators parked in memory between its blocks while the block's
+// (cpu_k_block), each group's accumulators parked in memory between its blocks while the block's
 // activations stay in L1. The result is the same bits for every R, MT and block (each accumulator's
 // operations and their order do not depend on them).
 template <int R, int MT>
