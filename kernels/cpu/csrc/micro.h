@@ -530,14 +530,16 @@ void micro_bf16y(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(acc[r][m]);
   } else {
-    alignas(32) float park[P][RG][MT][8] = {};
+    // (not zero-initialized: the first block starts from zero registers; a `= {}` here compiled to a rep stos
+    // that took 14 % of the kernel's samples on K = 256 rows, perf on a Zen 3)
+    alignas(32) float park[P][RG][MT][8];
     for (int64_t kb = 0; kb < kend; kb += W.k_block) {
       const int64_t ke = kb + W.k_block < kend ? kb + W.k_block : kend;
 #pragma GCC unroll 1
       for (int p = 0; p < P; ++p) {
         __m256 acc[RG][MT];
         for (int r = 0; r < RG; ++r)
-          for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_load_ps(park[p][r][m]);
+          for (int m = 0; m < MT; ++m) acc[r][m] = kb ? _mm256_load_ps(park[p][r][m]) : _mm256_setzero_ps();
         bf16y_rows<RG, MT>(row + p * RG, nrow + p * RG, x, kb, ke, W, acc);
         for (int r = 0; r < RG; ++r)
           for (int m = 0; m < MT; ++m) _mm256_store_ps(park[p][r][m], acc[r][m]);
