@@ -145,8 +145,10 @@ double fma_gflops(int64_t iters) {
   return 2.0 * (kAvx2Build ? 8 : 16) * 12 * iters * threads / dt / 1e9;
 }
 
-// GOP/s (multiply-adds × 2) of the INT8 path here: vpmaddwd on int16 (32 products) + vpaddd; in the AVX2
-// build on 256-bit registers (16 products), as fma_gflops.
+// GOP/s (multiply-adds × 2) of vpmaddwd on int16 (32 products; the INT8 path without VNNI), 8 independent
+// chains, each product the next one's input (the int32 sums read again as int16 pairs); in the AVX2 build on
+// 256-bit registers (16 products), as fma_gflops. (Before: a[j] += madd(w, x) with the same w and x for every
+// j, which GCC computed once per round: it timed one vpmaddwd and 8 vpaddd.)
 double int16_madd_gops(int64_t iters) {
   int64_t sink = 0;
   const double t0 = now();
@@ -158,11 +160,9 @@ double int16_madd_gops(int64_t iters) {
     __m256i a[8];
     const __m256i w = _mm256_set1_epi16(3);
     for (int j = 0; j < 8; ++j) a[j] = _mm256_set1_epi32(j);
-    __m256i x = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(w, x));
-      x = _mm256_xor_si256(x, w);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_madd_epi16(a[j], w);
     }
     for (int j = 1; j < 8; ++j) a[0] = _mm256_add_epi32(a[0], a[j]);
     alignas(32) int32_t lanes[8];
@@ -172,11 +172,9 @@ double int16_madd_gops(int64_t iters) {
     __m512i a[8];
     const __m512i w = _mm512_set1_epi16(3);
     for (int j = 0; j < 8; ++j) a[j] = _mm512_set1_epi32(j);
-    __m512i x = _mm512_set1_epi16(1);
     for (int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm512_add_epi32(a[j], _mm512_madd_epi16(w, x));
-      x = _mm512_xor_si512(x, w);
+      for (int j = 0; j < 8; ++j) a[j] = _mm512_madd_epi16(a[j], w);
     }
     for (int j = 1; j < 8; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
     sink += _mm512_reduce_add_epi32(a[0]);
