@@ -85,7 +85,6 @@ def test_avx2_build_holds_no_avx512_instruction():
     assert sum("vfmadd" in line and "%ymm" in line for line in out.splitlines()) > 100
 
 
-
 def _function(disassembly: str, name: str) -> list[str]:
     """The instruction lines of one function of `objdump -d -C` output (its first symbol whose name starts so)."""
     lines, inside = [], False

@@ -384,6 +384,22 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
     for (int r = 0; r < R; ++r) out[m * R + r] = hsum(acc[r][m]);
 }
 
+// The operands of a split BF16 tile (micro_bf16s, micro_bf16y): its R weight rows, the next tile's rows (their
+// prefetch targets) and its MT tokens' de-interleaved activation rows.
+template <int R, int MT>
+struct SplitTile {
+  const uint16_t* row[R];
+  const uint8_t* nrow[R];
+  const float* x[MT];
+  SplitTile(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, const uint8_t* next) {
+    for (int r = 0; r < R; ++r) {
+      row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
+      nrow[r] = next_tile_row(W, next, r);
+    }
+    for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
+  }
+};
+
 // BF16 by split lanes ("split", cpu_bf16_method): a 64-byte load holds 32 bf16, two per 32-bit lane; the
 // even element of each pair becomes float32 by a shift left by 16, the odd one by masking the low half
 // away: 2 integer instructions and 1 load per 32 weights, where widening each bf16 to its own lane takes
@@ -393,14 +409,10 @@ void micro_fp8w(const WeightView& W, int64_t r0, const Act& A, const int64_t* to
 template <int R, int MT>
 void micro_bf16s(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
                  const uint8_t* next) {
-  const uint16_t* row[R];
-  const uint8_t* nrow[R];
-  const float* x[MT];
-  for (int r = 0; r < R; ++r) {
-    row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
-    nrow[r] = next_tile_row(W, next, r);
-  }
-  for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
+  const SplitTile<R, MT> tl(W, r0, A, tok, next);
+  const uint16_t* const* row = tl.row;
+  const uint8_t* const* nrow = tl.nrow;
+  const float* const* x = tl.x;
   const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
@@ -513,41 +525,28 @@ template <int R, int MT>
 void micro_bf16y(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out,
                  const uint8_t* next) {
   constexpr int RG = R < 8 / MT ? R : 8 / MT, P = R / RG;
-  const uint16_t* row[R];
-  const uint8_t* nrow[R];
-  const float* x[MT];
-  for (int r = 0; r < R; ++r) {
-    row[r] = reinterpret_cast<const uint16_t*>(W.w + tile_row(W, r0, r) * W.row_bytes);
-    nrow[r] = next_tile_row(W, next, r);
-  }
-  for (int m = 0; m < MT; ++m) x[m] = A.xd + tok[m] * A.ld;
-  const int64_t kend = (W.K + 15) & ~int64_t(15);
-  if constexpr (P == 1) {
-    __m256 acc[RG][MT];
-    for (int r = 0; r < RG; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-    bf16y_rows<RG, MT>(row, nrow, x, 0, kend, W, acc);
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(acc[r][m]);
-  } else {
-    // (not zero-initialized: the first block starts from zero registers; a `= {}` here compiled to a rep stos
-    // that took 14 % of the kernel's samples on K = 256 rows, perf on a Zen 3)
-    alignas(32) float park[P][RG][MT][8];
-    for (int64_t kb = 0; kb < kend; kb += W.k_block) {
-      const int64_t ke = kb + W.k_block < kend ? kb + W.k_block : kend;
+  const SplitTile<R, MT> tl(W, r0, A, tok, next);
+  const uint16_t* const* row = tl.row;
+  const uint8_t* const* nrow = tl.nrow;
+  const float* const* x = tl.x;
+  const int64_t kend = (W.K + 15) & ~int64_t(15), kstep = P == 1 ? kend : W.k_block;  // one tile-wide pass if it fits
+  // (not zero-initialized: the first block starts from zero registers; a `= {}` here compiled to a rep stos
+  // that took 14 % of the kernel's samples on K = 256 rows, perf on a Zen 3)
+  alignas(32) float park[P][RG][MT][8];
+  for (int64_t kb = 0; kb < kend; kb += kstep) {
+    const int64_t ke = kb + kstep < kend ? kb + kstep : kend;
 #pragma GCC unroll 1
-      for (int p = 0; p < P; ++p) {
-        __m256 acc[RG][MT];
-        for (int r = 0; r < RG; ++r)
-          for (int m = 0; m < MT; ++m) acc[r][m] = kb ? _mm256_load_ps(park[p][r][m]) : _mm256_setzero_ps();
-        bf16y_rows<RG, MT>(row + p * RG, nrow + p * RG, x, kb, ke, W, acc);
-        for (int r = 0; r < RG; ++r)
-          for (int m = 0; m < MT; ++m) _mm256_store_ps(park[p][r][m], acc[r][m]);
-      }
+    for (int p = 0; p < P; ++p) {
+      __m256 acc[RG][MT];
+      for (int r = 0; r < RG; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = kb ? _mm256_load_ps(park[p][r][m]) : _mm256_setzero_ps();
+      bf16y_rows<RG, MT>(row + p * RG, nrow + p * RG, x, kb, ke, W, acc);
+      for (int r = 0; r < RG; ++r)
+        for (int m = 0; m < MT; ++m) _mm256_store_ps(park[p][r][m], acc[r][m]);
     }
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(_mm256_load_ps(park[r / RG][r % RG][m]));
   }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(_mm256_load_ps(park[r / RG][r % RG][m]));
 }
 
 // The (rows, tokens) instantiations of one format: rows 4 or 8, tokens 1, 2 or 4.
