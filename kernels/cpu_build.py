@@ -25,6 +25,8 @@ build cannot run, before compiling anything. Nothing here imports the engine.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import os
@@ -164,6 +166,23 @@ def choose_build() -> str:
     return build
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Held while this process compiles or loads `build_dir`: an flock on a file beside it, which the
+    kernel releases when its holder dies. torch's own baton (`build_dir/lock`, created by the builder and
+    removed when it finishes) stays forever when a build is killed, and every later load then waits on it
+    without end (seen here: a pytest run stopped while compiling left one, and the next run hung in
+    collection). Under the flock no other moetune builder is running, so a baton found then is stale and
+    is removed."""
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled extension module (building it first if needed); ImportError if impossible.
@@ -174,16 +193,17 @@ def load():
     name = f"moetune_cpu_{build}_{source_hash(build)}"
     build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not (build_dir / f"{name}.so").exists()
     kwargs = dict(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=BUILDS[build][1],
                   extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
                   verbose=False)
     try:
-        if fresh:
-            with _Spinner(f"moetune: compiling the CPU kernels, {build} build (first use only)"):
+        with _build_lock(build_dir):
+            fresh = not (build_dir / f"{name}.so").exists()  # another process may have built it meanwhile
+            if fresh:
+                with _Spinner(f"moetune: compiling the CPU kernels, {build} build (first use only)"):
+                    mod = _load_retrying(cpp_extension, kwargs)
+            else:
                 mod = _load_retrying(cpp_extension, kwargs)
-        else:
-            mod = _load_retrying(cpp_extension, kwargs)
         mod.BUILD = build
         return mod
     except Exception as e:  # compiler missing, build error: the caller falls back
@@ -200,8 +220,10 @@ def library(build: str) -> Path:
     name = f"moetune_cpu_{build}_{source_hash(build)}"
     build_dir = build_root() / name
     so = build_dir / f"{name}.so"
-    if not so.exists():
-        build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(build_dir):
+        if so.exists():
+            return so
         with _Spinner(f"moetune: compiling the CPU kernels, {build} build (to inspect, not to run)"):
             # the private half of cpp_extension.load that builds without importing (torch 2.13)
             cpp_extension._write_ninja_file_and_build_library(

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def moetune(*args, env, **kw):
     return subprocess.Popen([sys.executable, "-m", "moetune_cli", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                            **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw})
 
 
 def finished(url: str, name: str) -> int:
@@ -35,14 +35,24 @@ def test_interrupt_resume_profile_report(tmp_path):
     # A trial count no run reaches: the Ctrl-C below always lands in the middle of the search, however
     # fast the trials go (a run of 200 once finished between two polls of a busy machine's SQLite file).
     total = 1_000_000
-    p = moetune(*common, "--trials", str(total), env=env)
-    deadline = time.monotonic() + 420
-    while finished(url, "cli") < 3 and time.monotonic() < deadline and p.poll() is None:
-        time.sleep(0.5)
-    assert p.poll() is None, f"autotune stopped before the Ctrl-C: {p.communicate()[1][-2000:]}"
-    assert finished(url, "cli") >= 3, "no 3 trials finished in 420 s"
-    p.send_signal(signal.SIGINT)  # Ctrl-C
-    out, err = p.communicate(timeout=120)
+    # Its output goes to files, not pipes: nothing reads them while it runs, and a full pipe would stop it
+    # mid-trial. It is killed whatever happens below: a run of a million trials must not outlive the test.
+    log_out, log_err = tmp_path / "run1.out", tmp_path / "run1.err"
+    with open(log_out, "w") as fo, open(log_err, "w") as fe:
+        p = moetune(*common, "--trials", str(total), env=env, stdout=fo, stderr=fe)
+    try:
+        deadline = time.monotonic() + 420
+        while finished(url, "cli") < 3 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.5)
+        assert p.poll() is None, f"autotune stopped before the Ctrl-C: {log_err.read_text()[-2000:]}"
+        assert finished(url, "cli") >= 3, "no 3 trials finished in 420 s"
+        p.send_signal(signal.SIGINT)  # Ctrl-C
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out, err = log_out.read_text(), log_err.read_text()
     assert p.returncode == 130, err[-2000:]
     assert "rerun the same command to resume" in out
     done = finished(url, "cli")

@@ -71,6 +71,22 @@ def test_builds_are_cached_apart():
     assert not any(f.startswith("-mavx512") for f in cpu_build.BUILDS["avx2"][1])
 
 
+def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path):
+    """torch's build baton (`lock` in the build folder) outlives a killed build; under moetune's flock
+    it is known stale and removed, and the flock itself keeps a second builder out while one runs."""
+    import fcntl
+
+    build_dir = tmp_path / "moetune_cpu_avx512_0123"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()  # what a build killed mid-compile leaves
+    with cpu_build._build_lock(build_dir):
+        assert not (build_dir / "lock").exists()
+        with open(tmp_path / f"{build_dir.name}.flock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / f"{build_dir.name}.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on exit
+
+
 AVX512_OPERAND = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k")
 
 
