@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import optuna
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +27,7 @@ def finished(url: str, name: str) -> int:
     return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
+@pytest.mark.timeout(1500)  # its own waits add up to 18 minutes on a slow machine
 def test_interrupt_resume_profile_report(tmp_path):
     env = {**os.environ, "MOETUNE_RESULTS": str(tmp_path / "results"),
            "MOETUNE_PROFILES": str(tmp_path / "profiles"), "PYTHONPATH": str(ROOT)}
