@@ -42,18 +42,27 @@ SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_int8.cpp", "micro_fp8.cpp",
            "bindings.cpp")
 HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "amx_tiles.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc",
            "avx512_model.h")
-_COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wno-unused-variable"]
-# build → (the cpuinfo flags it needs, its compiler flags)
+_COMMON = ("-O3", "-fopenmp", "-ffp-contract=off", "-Wno-unused-variable")
+# build → (the cpuinfo flags it needs, its compiler flags). Tuples: torch's cpp_extension.load appends its
+# own -L / -l flags to the extra_ldflags list it is given, in place, so a list here changed after the first
+# load, and with it every later source_hash (the venv's path included): a process that had loaded one build
+# looked for the other under another name and compiled it again (seen: each test run compiled the AVX2
+# build twice and the AVX-512 one twice). The calls get fresh lists (_flags).
 BUILDS = {
     "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"] + _COMMON),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2") + _COMMON),
     "avx2": (("avx2", "fma", "f16c"),
-             ["-mavx2", "-mfma", "-mf16c", "-DMOETUNE_AVX2_BUILD", "-include", "avx512_model.h", "-Wno-psabi"] + _COMMON),
+             ("-mavx2", "-mfma", "-mf16c", "-DMOETUNE_AVX2_BUILD", "-include", "avx512_model.h", "-Wno-psabi") + _COMMON),
 }
 BUILD_ENV = "MOETUNE_CPU_BUILD"
 REQUIRED_ISA = BUILDS["avx512"][0]
 CFLAGS = BUILDS["avx512"][1]
-LDFLAGS = ["-fopenmp"]
+LDFLAGS = ("-fopenmp",)
+
+
+def _flags(build: str) -> tuple[list[str], list[str]]:
+    """Fresh lists of a build's compiler and linker flags, for torch to extend as it likes."""
+    return list(BUILDS[build][1]), list(LDFLAGS)
 
 
 def cpu_flags() -> set[str]:
@@ -193,8 +202,9 @@ def load():
     name = f"moetune_cpu_{build}_{source_hash(build)}"
     build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    kwargs = dict(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=BUILDS[build][1],
-                  extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
+    cflags, ldflags = _flags(build)
+    kwargs = dict(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=cflags,
+                  extra_ldflags=ldflags, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
                   verbose=False)
     try:
         with _build_lock(build_dir):
@@ -226,8 +236,9 @@ def library(build: str) -> Path:
             return so
         with _Spinner(f"moetune: compiling the CPU kernels, {build} build (to inspect, not to run)"):
             # the private half of cpp_extension.load that builds without importing (torch 2.13)
+            cflags, ldflags = _flags(build)
             cpp_extension._write_ninja_file_and_build_library(
-                name, [str(CSRC / s) for s in SOURCES], BUILDS[build][1], None, None, LDFLAGS, [str(CSRC)],
+                name, [str(CSRC / s) for s in SOURCES], cflags, None, None, ldflags, [str(CSRC)],
                 str(build_dir), False, False, False)
     return so
 

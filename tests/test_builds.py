@@ -71,6 +71,21 @@ def test_builds_are_cached_apart():
     assert not any(f.startswith("-mavx512") for f in cpu_build.BUILDS["avx2"][1])
 
 
+@pytest.mark.skipif(not RUNS_AVX2, reason=f"this CPU lacks {cpu_build.missing_for('avx2')}")
+def test_a_load_leaves_every_build_under_its_own_name():
+    """After this process loaded its build, each build's name (source hash) is the one a fresh process
+    computes: torch's load extends the linker flags it is given in place, which once renamed every build
+    in a process that had loaded one (and so compiled each again, under a name holding the venv's path)."""
+    cpu_build.load()
+    fresh = subprocess.run([sys.executable, "-c", "from kernels import cpu_build as c; "
+                            "print(*(c.source_hash(b) for b in c.BUILDS))"], cwd=ROOT, capture_output=True,
+                           text=True, check=True, timeout=120).stdout.split()
+    assert fresh == [cpu_build.source_hash(b) for b in cpu_build.BUILDS]
+    cflags, ldflags = cpu_build._flags("avx2")
+    cflags.append("-DX"), ldflags.append("-lX")  # what torch does to the lists it gets
+    assert fresh == [cpu_build.source_hash(b) for b in cpu_build.BUILDS]
+
+
 def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path):
     """torch's build baton (`lock` in the build folder) outlives a killed build; under moetune's flock
     it is known stale and removed, and the flock itself keeps a second builder out while one runs."""
