@@ -1,5 +1,17 @@
+import faulthandler
 import os
+import sys
 import tempfile
+
+# Collection imports the CPU kernels (their first compile: 1-5 min on two cores), where pytest-timeout's
+# per-test limit does not reach: a hang there (a lock nobody holds, say) dumps every thread's stack and
+# ends the run after 15 min instead of running into CI's hard limit silently. Cancelled once collected.
+faulthandler.dump_traceback_later(900, exit=True, file=sys.stderr)
+
+
+def pytest_collection_finish(session):
+    faulthandler.cancel_dump_traceback_later()
+
 
 # The compiled CPU kernels are keyed by a hash of their sources: share the user's build cache, so
 # they compile once per machine, not once per test run.
