@@ -209,10 +209,8 @@ def load():
     try:
         with _build_lock(build_dir):
             fresh = not (build_dir / f"{name}.so").exists()  # another process may have built it meanwhile
-            if fresh:
-                with _Spinner(f"moetune: compiling the CPU kernels, {build} build (first use only)"):
-                    mod = _load_retrying(cpp_extension, kwargs)
-            else:
+            with (_Spinner(f"moetune: compiling the CPU kernels, {build} build (first use only)") if fresh
+                  else contextlib.nullcontext()):
                 mod = _load_retrying(cpp_extension, kwargs)
         mod.BUILD = build
         return mod
