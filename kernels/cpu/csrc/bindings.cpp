@@ -83,6 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)
       .def_readwrite("micro_tokens", &Knobs::micro_tokens)
+      .def_readwrite("micro_wide", &Knobs::micro_wide)
       .def_readwrite("linear_block_n", &Knobs::linear_block_n)
       .def_readwrite("moe_block_n", &Knobs::moe_block_n)
       .def_readwrite("gemm_min_tokens", &Knobs::gemm_min_tokens)

@@ -113,6 +113,7 @@ struct WeightView {
 struct Knobs {
   int64_t micro_rows = 0;        // weight rows per microkernel pass (4, 8)
   int64_t micro_tokens = 0;      // tokens per microkernel pass (1, 2, 4)
+  int64_t micro_wide = -1;       // BF16 / INT8 dot products: tokens per wide tile (0: none; 6, 8, 12)
   int64_t linear_block_n = 0;    // rows per parallel task (linear)
   int64_t moe_block_n = 0;       // rows per parallel task (fused MoE)
   int64_t gemm_min_tokens = 0;   // from this many tokens (per expert in MoE) use unpack + BLAS

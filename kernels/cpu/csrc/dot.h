@@ -121,4 +121,13 @@ struct Bf16Hw : Bf16Model {};
   }                                                                                     \
   return nullptr;
 
+// the wide tiles of micro_wide (tokens 6: 4 rows; 8 or 12: 2 rows), BF16 and INT8 on VNNI only
+#define MOETUNE_DOT_PICK_WIDE(NS, KERNEL, P, tokens)                                  \
+  switch (tokens) {                                                                     \
+    case 6: return NS::KERNEL<P, 4, 6>;                                                 \
+    case 8: return NS::KERNEL<P, 2, 8>;                                                 \
+    case 12: return NS::KERNEL<P, 2, 12>;                                               \
+  }                                                                                     \
+  return nullptr;
+
 }  // namespace moetune

@@ -97,6 +97,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
 
 void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
+  TORCH_CHECK(micro_wide == 0 || get_micro_bf16_dot_wide(kBF16DpModel, (int)micro_wide), "micro_wide must be 0, 6, 8 or 12");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
                   amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
                   prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
@@ -365,8 +366,8 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   // DAZ for the sweep: micro_fp8w's denormals read as zero; the vdpbf16ps model: DAZ + FTZ, as the instruction
   const unsigned csr_bits = fmt == kFp8w ? 0x0040u : (fmt == kBF16DpModel || fmt == kFp8DpModel) ? 0x8040u : 0u;
   if (csr_bits) _mm_setcsr(csr | csr_bits);
-  float buf[8 * 4];
-  int64_t t[4];
+  float buf[8 * 4];  // a tile's outputs: R × MT ≤ 32, a wide tile's wide_rows × micro_wide ≤ 24
+  int64_t t[12];
   const uint8_t* first = W.w + n0 * W.row_bytes;  // the sweep's first tile: next for a later token group
   if (!next) next = W.w + n1 * W.row_bytes;      // default: the rows after the sweep
   // cpu_tile_rows=spread: tile i reads rows n0 + i + r·S (S = the sweep's rows / R), so each of the R
@@ -378,15 +379,24 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   const int64_t tiles = S > 1 ? S : (rows + R - 1) / R, tstep = S > 1 ? 1 : R, cstep = S > 1 ? S : 1;
   // The token groups: micro_tokens tokens while that many are left in a group, then pairs, then single
   // tokens (at most M groups; the vector only past 256 tokens, beyond the microkernels' token range)
-  struct Group { int64_t m, n; MicroFn f; };
+  // cpu_micro_wide: first, groups of micro_wide tokens on the wide tiles (wide_rows rows each, so R / wide_rows
+  // of them cover a tile's rows), where the format has them (BF16 / INT8 dot products) and R is a multiple
+  struct Group { int64_t m, n; MicroFn f; int rows; };
   Group one[256];
   std::vector<Group> many;
   Group* groups = M <= 256 ? one : (many.resize(M), many.data());
-  int64_t ng = 0;
-  for (int64_t m0 = 0; m0 < M; m0 += MT)
+  int64_t ng = 0, mw = 0;
+  if (const int WT = (int)kn.micro_wide; WT > 0 && M >= WT && R % wide_rows(WT) == 0) {
+    MicroFn fw = (fmt == kBF16Dp || fmt == kBF16DpModel) ? get_micro_bf16_dot_wide(fmt, WT)
+                 : (fmt == kInt8Dp || fmt == kInt8DpModel) ? get_micro_int8_dot_wide(fmt, WT)
+                                                           : nullptr;
+    if (fw)
+      for (; mw + WT <= M; mw += WT) groups[ng++] = {mw, WT, fw, wide_rows(WT)};
+  }
+  for (int64_t m0 = mw; m0 < M; m0 += MT)
     for (int64_t mm = m0, end = std::min<int64_t>(m0 + MT, M); mm < end;) {
       const int64_t left = end - mm, step = left == MT ? MT : (left >= 2 && fn2) ? 2 : 1;
-      groups[ng++] = {mm, step, step == MT ? fn : step == 2 ? fn2 : fn1};
+      groups[ng++] = {mm, step, step == MT ? fn : step == 2 ? fn2 : fn1, R};
       mm += step;
     }
   // cpu_micro_order=tiles_next: a tile's second token group prefetches the next tile's rows at the offset
@@ -394,13 +404,19 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   // other groups prefetch as tiles does (their own rows ahead: already cached after the first group)
   WeightView Wn = Ws;
   Wn.prefetch_dist = W.row_bytes;
+  // a group over tile i: one call, or a wide group's R / g.rows calls on its row parts (part p: the tile's
+  // rows p·g.rows ..., prefetching the next part's rows, the last part the next tile's)
   auto run = [&](const Group& g, int64_t i, const uint8_t* nx, const WeightView& Wv) {
     const int64_t r0 = n0 + i * tstep;
     for (int64_t j = 0; j < g.n; ++j) t[j] = tok[g.m + j];
-    g.f(Wv, r0, A, t, buf, nx);
     const int64_t nr = S > 1 ? R : std::min<int64_t>(R, n1 - r0);
-    for (int64_t j = 0; j < g.n; ++j)
-      for (int64_t r = 0; r < nr; ++r) out[(g.m + j) * ldo + (r0 - n0) + r * cstep] = buf[j * R + r];
+    for (int64_t p0 = 0; p0 < nr; p0 += g.rows) {
+      const uint8_t* np = p0 + g.rows < R ? W.w + (r0 + (p0 + g.rows) * Ws.tile_stride) * W.row_bytes : nx;
+      g.f(Wv, r0 + p0 * Ws.tile_stride, A, t, buf, np);
+      for (int64_t j = 0; j < g.n; ++j)
+        for (int64_t r = 0; r < g.rows && p0 + r < nr; ++r)
+          out[(g.m + j) * ldo + (r0 - n0) + (p0 + r) * cstep] = buf[j * g.rows + r];
+    }
   };
   // the rows a tile prefetches while it is read: the next tile's; after the last tile, the next group's
   // first tile (groups order) or the rows after the sweep

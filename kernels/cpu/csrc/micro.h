@@ -48,6 +48,11 @@ MicroFn get_micro_int8_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_int4_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_bf16_dot(int fmt, int rows, int tokens);
 MicroFn get_micro_fp8_dot(int fmt, int rows, int tokens);
+// Wide tiles (knob cpu_micro_wide): `tokens` (6, 8 or 12) tokens × wide_rows(tokens) rows, for the BF16 and
+// INT8 dot-product variants (kBF16Dp / kBF16DpModel / kInt8Dp / kInt8DpModel); nullptr for any other.
+MicroFn get_micro_bf16_dot_wide(int fmt, int tokens);
+MicroFn get_micro_int8_dot_wide(int fmt, int tokens);
+constexpr int wide_rows(int tokens) { return tokens == 6 ? 4 : 2; }
 
 // Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
 // spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).

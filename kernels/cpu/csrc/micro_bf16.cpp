@@ -17,4 +17,8 @@ MicroFn get_micro_bf16_dot(int fmt, int rows, int tokens) {
   if (fmt == kBF16Dp) { MOETUNE_DOT_PICK(dot_hw, micro_bf16_dp, Bf16Hw, rows, tokens) }
   MOETUNE_DOT_PICK(dot_model, micro_bf16_dp, Bf16Model, rows, tokens)
 }
+MicroFn get_micro_bf16_dot_wide(int fmt, int tokens) {
+  if (fmt == kBF16Dp) { MOETUNE_DOT_PICK_WIDE(dot_hw, micro_bf16_dp, Bf16Hw, tokens) }
+  MOETUNE_DOT_PICK_WIDE(dot_model, micro_bf16_dp, Bf16Model, tokens)
+}
 }  // namespace moetune

@@ -18,4 +18,8 @@ MicroFn get_micro_int8_dot(int fmt, int rows, int tokens) {
   if (fmt == kInt8Mb) { MOETUNE_DOT_PICK(dot_model, micro_int8_dp, MaddubsSigned, rows, tokens) }
   MOETUNE_DOT_PICK(dot_model, micro_int8_dp, VnniModel, rows, tokens)
 }
+MicroFn get_micro_int8_dot_wide(int fmt, int tokens) {
+  if (fmt == kInt8Dp) { MOETUNE_DOT_PICK_WIDE(dot_hw, micro_int8_dp, VnniHw, tokens) }
+  MOETUNE_DOT_PICK_WIDE(dot_model, micro_int8_dp, VnniModel, tokens)
+}
 }  // namespace moetune
