@@ -121,12 +121,12 @@ struct Bf16Hw : Bf16Model {};
   }                                                                                     \
   return nullptr;
 
-// the wide tiles of micro_wide (tokens 6: 4 rows; 8 or 12: 2 rows), BF16 and INT8 on VNNI only
+// the wide tiles of micro_wide (tokens 6, 8 or 12, on wide_rows(tokens) rows: micro.h), BF16 and INT8 on VNNI only
 #define MOETUNE_DOT_PICK_WIDE(NS, KERNEL, P, tokens)                                  \
   switch (tokens) {                                                                     \
-    case 6: return NS::KERNEL<P, 4, 6>;                                                 \
-    case 8: return NS::KERNEL<P, 2, 8>;                                                 \
-    case 12: return NS::KERNEL<P, 2, 12>;                                               \
+    case 6: return NS::KERNEL<P, wide_rows(6), 6>;                                      \
+    case 8: return NS::KERNEL<P, wide_rows(8), 8>;                                      \
+    case 12: return NS::KERNEL<P, wide_rows(12), 12>;                                   \
   }                                                                                     \
   return nullptr;
 
