@@ -530,6 +530,35 @@ def test_prefetch_hint_changes_no_result(fmt):
     assert all(torch.equal(out[0], o) for o in out[1:]), fmt
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128"])
+def test_prefill_prefetch_changes_no_result(fmt):
+    """cpu_prefill_prefetch_hint / _ahead only choose the software prefetch of sweeps of several token
+    groups: bitwise the same outputs under every value (same, t0, t1, t2, none; ahead 0 and 256), on
+    one-group sweeps (T=1, 4) and several-group ones (T=7, 13: wide and narrow groups with their tails),
+    in linear and fused MoE; the call record names the values that ran."""
+    g = torch.Generator().manual_seed(len(fmt) + 23)
+    micro = {"cpu_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096,
+             "cpu_amx_min_tokens": 4096}
+    cases = [("same", 0), ("t0", 0), ("t0", 256), ("t1", 0), ("t2", 256), ("none", 0)]
+    w = make_weight(torch.randn(130, 256, generator=g) * 0.05, fmt)
+    for t in (1, 4, 7, 13):
+        x = torch.randn(t, 256, generator=g).bfloat16()
+        with cpu.recording() as rec:
+            out = [cpu.linear(x, w, knobs={**micro, "cpu_prefill_prefetch_hint": h, "cpu_prefill_prefetch_ahead": a})
+                   for h, a in cases]
+        assert all(torch.equal(out[0], o) for o in out[1:]), (fmt, t)
+        assert [(r["knobs"]["cpu_prefill_prefetch_hint"], r["knobs"]["cpu_prefill_prefetch_ahead"]) for r in rec] == cases
+        check(out[0].float(), reference.linear(x.float(), w), 3e-2, f"{fmt} T={t}")
+    e, d, i = 4, 256, 192
+    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
+    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    x = torch.randn(30, d, generator=g).bfloat16()
+    tw, ids = torch.rand(30, 2, generator=g), torch.randint(0, e, (30, 2), generator=g)
+    out = [cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_prefill_prefetch_hint": h,
+                                                     "cpu_prefill_prefetch_ahead": a}) for h, a in cases]
+    assert all(torch.equal(out[0], o) for o in out[1:]), fmt
+
+
 @pytest.mark.parametrize("k", [1, 2, 17, 31, 32, 33, 95, 1000])
 def test_bf16_split_method_on_every_tile_shape_and_row_end(k):
     """cpu_bf16_method=split (two bf16 per 32-bit lane split by a shift and a mask, activations

@@ -49,6 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::PrefetchHint>(m, "PrefetchHint")
       .value("t0", moetune::kPrefetchT0).value("t1", moetune::kPrefetchT1).value("t2", moetune::kPrefetchT2)
       .value("none", moetune::kPrefetchNone);
+  py::enum_<moetune::PrefillPrefetch>(m, "PrefillPrefetch")
+      .value("same", moetune::kPrefillSame).value("t0", moetune::kPrefillT0).value("t1", moetune::kPrefillT1)
+      .value("t2", moetune::kPrefillT2).value("none", moetune::kPrefillNone);
   py::enum_<moetune::AttnIsa>(m, "AttnIsa")
       .value("auto", moetune::kAttnIsaAuto).value("avx512", moetune::kAttnIsaAvx512)
       .value("avx512bf16", moetune::kAttnIsaDot)
@@ -102,6 +105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
       .def_readwrite("k_block", &Knobs::k_block)
       .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
+      .def_readwrite("prefill_prefetch_hint", &Knobs::prefill_prefetch_hint)
+      .def_readwrite("prefill_prefetch_ahead", &Knobs::prefill_prefetch_ahead)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
       .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)

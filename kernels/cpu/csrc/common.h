@@ -49,6 +49,10 @@ enum MicroOrder : int { kOrderGroups = 0, kOrderTiles = 1, kOrderTilesNext = 2 }
 // cpu_prefetch_hint: the cache level the microkernels' software prefetch of weight rows fills (prefetcht0: L1,
 // prefetcht1: L2, prefetcht2: L3 on Intel / L2 on AMD), or none (the hardware prefetchers alone).
 enum PrefetchHint : int { kPrefetchT0 = 0, kPrefetchT1 = 1, kPrefetchT2 = 2, kPrefetchNone = 3 };
+// cpu_prefill_prefetch_hint: the same for a sweep of more than one token group (prefill on the microkernels:
+// each tile's rows are read again by the later groups, from L1), as PrefetchHint's values, or kPrefillSame:
+// cpu_prefetch_hint and cpu_prefetch_ahead as for one group.
+enum PrefillPrefetch : int { kPrefillT0 = 0, kPrefillT1 = 1, kPrefillT2 = 2, kPrefillNone = 3, kPrefillSame = 4 };
 // cpu_attn_isa: the attention products' instruction (attention.cpp's attn_dot): float32 FMAs (avx512),
 // vdpbf16ps on bf16 pairs (avx512bf16), AMX tiles (amx: TDPBF16PS), auto: amx, else avx512bf16, where the
 // CPU has it and the queries are bf16.
@@ -132,6 +136,8 @@ struct Knobs {
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
   int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups; gemm_fma: per pass
   PrefetchHint prefetch_hint = (PrefetchHint)-1;
+  PrefillPrefetch prefill_prefetch_hint = (PrefillPrefetch)-1;  // sweeps of ≥ 2 token groups (kPrefillSame: as above)
+  int64_t prefill_prefetch_ahead = -1;  // ... their bytes ahead in the row, as prefetch_ahead
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;

@@ -122,6 +122,9 @@ void Knobs::check() const {
               "attention knobs must be ≥ 1");
   TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaAmx, "attn_isa must be set");
   TORCH_CHECK(unpack_gemm >= kUnpackGemmAuto && unpack_gemm <= kUnpackGemmFma, "unpack_gemm must be set");
+  TORCH_CHECK(prefill_prefetch_hint >= kPrefillT0 && prefill_prefetch_hint <= kPrefillSame && prefill_prefetch_ahead >= 0 &&
+                  prefill_prefetch_ahead % 64 == 0,
+              "prefill_prefetch_hint must be set and prefill_prefetch_ahead a multiple of 64 ≥ 0");
 }
 
 // ------------------------------------------------------------------ activations
@@ -399,6 +402,13 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
       groups[ng++] = {mm, step, step == MT ? fn : step == 2 ? fn2 : fn1, R};
       mm += step;
     }
+  // cpu_prefill_prefetch_hint / _ahead: a sweep of several token groups (each tile's rows read again by the
+  // later groups) prefetches its weight rows as they say instead of cpu_prefetch_hint / _ahead (same: as those)
+  if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
+    Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;
+    Ws.prefetch_dist = kn.prefill_prefetch_ahead == 0 || kn.prefill_prefetch_ahead > W.row_bytes ? W.row_bytes
+                                                                                               : kn.prefill_prefetch_ahead;
+  }
   // cpu_micro_order=tiles_next: a tile's second token group prefetches the next tile's rows at the offset
   // it reads (a whole tile ahead), so the next rows stream in while the later groups compute from L1; the
   // other groups prefetch as tiles does (their own rows ahead: already cached after the first group)
