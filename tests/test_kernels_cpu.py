@@ -161,7 +161,7 @@ class BackendConformance:
               f"fused_moe bf16-act {fmt} {case}")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("t,d", [(1, 2048), (7, 1000), (3, 5)])
+    @pytest.mark.parametrize("t,d", [(1, 2048), (7, 1000), (3, 5), (64, 2048), (2, 7168)])
     def test_norms(self, dtype, t, d):
         g = torch.Generator().manual_seed(d)
         x, res = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
@@ -171,6 +171,11 @@ class BackendConformance:
         got, ref = self.backend.add_rms_norm(x, res, w, 1e-6), reference.add_rms_norm(x, res, w, 1e-6)
         check(got[0], ref[0], tol, "add_rms_norm normed")
         assert torch.equal(got[1], ref[1]), "add_rms_norm residual sum"
+        # contiguous bf16 rows take the vector bf16 path, a strided view the float32-row one: bitwise equal
+        xs, rs = torch.cat([x, x], 1)[:, :d], torch.cat([res, res], 1)[:, :d]
+        assert torch.equal(self.backend.rms_norm(x, w, 1e-6), self.backend.rms_norm(xs, w, 1e-6)), "strided rms_norm"
+        gs = self.backend.add_rms_norm(xs, rs, w, 1e-6)
+        assert torch.equal(got[0], gs[0]) and torch.equal(got[1], gs[1]), "strided add_rms_norm"
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("interleave", [True, False])

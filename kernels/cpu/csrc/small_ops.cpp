@@ -34,12 +34,64 @@ void norm_rows(const float* x, const float* w, float* out, int64_t T, int64_t D,
   });
 }
 
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline float bf16_at(const uint16_t* p, int64_t k) { return (float)c10::BFloat16(p[k], c10::BFloat16::from_bits()); }
+
+// norm_rows on bf16 rows read and written as bf16, in the same float operations (the sum of squares in
+// the same order, every rounding RNE as c10::BFloat16's): bitwise its result on finite values, without the
+// float32 copies of x and out. With `res` (add_rms_norm): each row is res + x rounded to bf16 first (as
+// torch's bf16 add), written to `sum`, and normalized.
+void norm_rows_bf16(const uint16_t* x, const uint16_t* res, const float* w, uint16_t* sum, uint16_t* out, int64_t T,
+                    int64_t D, double eps) {
+  const int64_t D16 = D & ~int64_t(15);
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* xr = x + r * D;
+      if (res) {  // sum row = bf16(res + x), then the norm reads it
+        const uint16_t* rr = res + r * D;
+        uint16_t* sr = sum + r * D;
+        for (int64_t k = 0; k < D16; k += 16)
+          _mm256_storeu_si256((__m256i*)(sr + k), bf16x16(_mm512_add_ps(load_bf16x16(rr + k), load_bf16x16(xr + k))));
+        for (int64_t k = D16; k < D; ++k) sr[k] = c10::BFloat16(bf16_at(rr, k) + bf16_at(xr, k)).x;
+        xr = sr;
+      }
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < D16; k += 16) {
+        const __m512 v = load_bf16x16(xr + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      float ss = hsum(acc);
+      for (int64_t k = D16; k < D; ++k) ss += bf16_at(xr, k) * bf16_at(xr, k);
+      const float inv = 1.f / std::sqrt(ss / (float)D + (float)eps);
+      const __m512 vi = _mm512_set1_ps(inv);
+      uint16_t* o = out + r * D;
+      for (int64_t k = 0; k < D16; k += 16) {
+        const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(_mm512_mul_ps(load_bf16x16(xr + k), vi))), 16));
+        _mm256_storeu_si256((__m256i*)(o + k), bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w + k), n)));
+      }
+      for (int64_t k = D16; k < D; ++k) o[k] = c10::BFloat16(w[k] * (float)c10::BFloat16(bf16_at(xr, k) * inv)).x;
+    }
+  });
+}
+
+// bf16 rows take the vector path (a NaN there is a bf16 value's or an operation's, whose low 16 bits are
+// zero, so bf16x16's rounding keeps it a NaN)
+bool bf16_rows(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 && x.is_contiguous(); }
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(D, 1);
-  at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor wf = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
+  if (bf16_rows(x)) {
+    at::Tensor out = at::empty_like(x);
+    norm_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, wf.data_ptr<float>(), nullptr,
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, D, eps);
+    return out;
+  }
+  at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(xf);
   norm_rows(xf.data_ptr<float>(), wf.data_ptr<float>(), out.data_ptr<float>(), T, D, eps, x.scalar_type());
   return out.to(x.scalar_type());
@@ -47,6 +99,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                         double eps) {
+  if (bf16_rows(x) && bf16_rows(residual) && x.sizes() == residual.sizes()) {
+    const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(D, 1);
+    at::Tensor wf = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
+    at::Tensor summed = at::empty_like(x), out = at::empty_like(x);
+    norm_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<const uint16_t*>(residual.data_ptr<at::BFloat16>()), wf.data_ptr<float>(),
+                   reinterpret_cast<uint16_t*>(summed.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, D, eps);
+    return {out, summed};
+  }
   at::Tensor summed = residual.add(x);
   return {rms_norm(summed, weight, eps), summed};
 }
