@@ -8,7 +8,12 @@
 //   mode 1: row-major weights repacked per call (32 rows x 256 K into an L1 buffer) + broadcast form;
 //   mode 2: as if repacked at load, 12 tokens per pass in 256-K blocks, 32-row tasks;
 //   mode 3-5: as if repacked at load, 64-row tasks, each 6-token group over both 32-row blocks (the
-//           second group from L2), full K, no software prefetch / prefetcht0 1 KiB / 4 KiB ahead.
+//           second group from L2), full K, no software prefetch / prefetcht0 1 KiB / 4 KiB ahead;
+//   mode 6: decode (1 token per expert) in the engine's form, 4 rows, prefetcht1 2 KiB ahead;
+//   mode 9: decode in the engine's form with its default cpu_tile_rows=spread (each of the 4 rows' streams runs
+//           through 16 consecutive rows of a 64-row task);
+//   mode 7-8: decode on the layout as if repacked at load: 64-row tasks, four 16-row blocks (four streams),
+//           no software prefetch / prefetcht1 2 KiB ahead.
 // Modes 2-5 read the row-major values as if they were the repacked layout (the same bytes streamed and
 // the same arithmetic, other values), so only modes 0 and 1 are compared for their results.
 // Build and run (a CPU with AVX512-BF16; nothing else may run meanwhile):
@@ -75,6 +80,35 @@ void repack32(const uint16_t* w, int k0, uint32_t* buf) {
   }
 }
 int PERM[16];
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+void dot4x1(const uint16_t* w, const uint16_t* x, float* out, const uint16_t* next, int stride = 1) {
+  __m512 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    const __m512i xm = _mm512_loadu_si512(x + k);
+    for (int r = 0; r < 4; ++r) {
+      const uint16_t* row = w + (size_t)r * stride * K;
+      _mm_prefetch((const char*)(row + k) + 2048, _MM_HINT_T1);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)xm);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r * stride] = hsum(acc[r]);
+}
+template <int PF>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+void r16x64x1(const uint32_t* blk, const uint16_t* x, float* out) {  // 4 blocks of 16 rows, each [K/2][16]
+  __m512 a[4];
+  for (int b = 0; b < 4; ++b) a[b] = _mm512_setzero_ps();
+  for (int kp = 0; kp < K / 2; ++kp) {
+    const __m512i bx = _mm512_set1_epi32(*(const int32_t*)(x + 2 * kp));
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t* p = blk + (size_t)b * 16 * (K / 2) + (size_t)kp * 16;
+      if (PF) _mm_prefetch((const char*)p + PF, _MM_HINT_T1);
+      a[b] = _mm512_dpbf16_ps(a[b], (__m512bh)_mm512_loadu_si512(p), (__m512bh)bx);
+    }
+  }
+  for (int b = 0; b < 4; ++b) _mm512_storeu_ps(out + 16 * b, a[b]);
+}
 template <int PF>
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 void bcast32x6(const uint32_t* blk, const uint16_t* const* x, float* out) {
@@ -125,7 +159,7 @@ int main(int argc, char** argv) {
     repack32(big.data(), 0, b);
     for (int i = 0; i < 16; ++i) PERM[i] = b[i * 32] & 0xffff;
   }
-  for (int mode = 0; mode < 6; ++mode) {
+  for (int mode = 0; mode < 10; ++mode) {
     std::vector<double> ts;
     for (int rep = 0; rep < reps; ++rep) {
       // evict: touch a 64 MB buffer
@@ -139,7 +173,12 @@ int main(int argc, char** argv) {
         const uint16_t* x[T];
         for (int t = 0; t < T; ++t) x[t] = X.data() + ((size_t)e * T + t) * K;
         float* out = (mode == 0 ? O1.data() : mode == 1 ? O2.data() : O3.data()) + (size_t)e * T * N + n0;
-        if (mode >= 3) {
+        if (mode >= 6) {
+          if (n0 % 64) continue;
+          if (mode == 9) { for (int i = 0; i < 16; ++i) dot4x1(w + (size_t)i * K, x[0], out + i, nullptr, 16); }
+          else if (mode == 6) { for (int r0 = 0; r0 < 64 && n0 + r0 < N; r0 += 4) dot4x1(w + (size_t)r0 * K, x[0], out + r0, w + (size_t)(r0 + 4) * K); }
+          else if (n0 + 64 <= N) (mode == 7 ? r16x64x1<0> : r16x64x1<2048>)((const uint32_t*)w, x[0], out);
+        } else if (mode >= 3) {
           if (n0 % 64) continue;  // 64-row chunks: each token group over both 32-row blocks
           for (int g = 0; g < 2; ++g)
             for (int b = 0; b < 2 && n0 + 32 * b < N; ++b)
@@ -171,7 +210,8 @@ int main(int argc, char** argv) {
     }
     std::sort(ts.begin(), ts.end());
     double t = ts[ts.size() / 2];
-    printf("mode %d: %.2f ms  %.0f GFLOP/s  %.1f GB/s\n", mode, t * 1e3, 2.0 * E * N * K * T / t / 1e9, 2.0 * per * E / t / 1e9);
+    printf("mode %d (%2d tokens per expert): %.2f ms  %4.0f GFLOP/s  %.1f GB/s\n", mode, mode >= 6 ? 1 : T, t * 1e3,
+           2.0 * E * N * K * (mode >= 6 ? 1 : T) / t / 1e9, 2.0 * per * E / t / 1e9);
   }
   double md = 0; for (size_t i = 0; i < O1.size(); ++i) md = std::max(md, (double)std::fabs(O1[i] - O2[i]) / (1e-3 + std::fabs(O1[i])));
   printf("modes 0 and 1 (same weights, same values): max relative difference %.3g\n", md);
