@@ -508,6 +508,16 @@ def test_micro_order_tiles_equals_groups_bitwise(fmt):
         assert [r["knobs"]["cpu_micro_order"] for r in rec] == ["groups", "tiles", "tiles_next"]
 
 
+def _moe_outputs(fmt, g, e, t, knob_sets):
+    """A fused MoE (D 256, I 192, top-2 of e experts, t bf16 tokens, weights from g) under each knob set."""
+    d, i = 256, 192
+    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
+    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    tw, ids = torch.rand(t, 2, generator=g), torch.randint(0, e, (t, 2), generator=g)
+    return [cpu.fused_moe(x, w13, w2, tw, ids, knobs=kn) for kn in knob_sets]
+
+
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "fp8", "int4_g128", "int4_g32"])
 def test_prefetch_hint_changes_no_result(fmt):
     """cpu_prefetch_hint only chooses the software prefetch's instruction (or none): every microkernel
@@ -526,12 +536,7 @@ def test_prefetch_hint_changes_no_result(fmt):
             assert all(torch.equal(out[0], o) for o in out[1:]), (fmt, n, k, t)
             assert [r["knobs"]["cpu_prefetch_hint"] for r in rec] == list(hints)
             check(out[0].float(), reference.linear(x.float(), w), 3e-2, f"{fmt} {n}x{k} T={t}")
-    e, d, i = 6, 256, 192
-    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
-    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
-    x = torch.randn(9, d, generator=g).bfloat16()
-    tw, ids = torch.rand(9, 2, generator=g), torch.randint(0, e, (9, 2), generator=g)
-    out = [cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_prefetch_hint": h}) for h in hints]
+    out = _moe_outputs(fmt, g, 6, 9, [{**micro, "cpu_prefetch_hint": h} for h in hints])
     assert all(torch.equal(out[0], o) for o in out[1:]), fmt
 
 
@@ -554,13 +559,8 @@ def test_prefill_prefetch_changes_no_result(fmt):
         assert all(torch.equal(out[0], o) for o in out[1:]), (fmt, t)
         assert [(r["knobs"]["cpu_prefill_prefetch_hint"], r["knobs"]["cpu_prefill_prefetch_ahead"]) for r in rec] == cases
         check(out[0].float(), reference.linear(x.float(), w), 3e-2, f"{fmt} T={t}")
-    e, d, i = 4, 256, 192
-    w13 = make_weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt)
-    w2 = make_weight(torch.randn(e, d, i, generator=g) * 0.05, fmt)
-    x = torch.randn(30, d, generator=g).bfloat16()
-    tw, ids = torch.rand(30, 2, generator=g), torch.randint(0, e, (30, 2), generator=g)
-    out = [cpu.fused_moe(x, w13, w2, tw, ids, knobs={**micro, "cpu_prefill_prefetch_hint": h,
-                                                     "cpu_prefill_prefetch_ahead": a}) for h, a in cases]
+    out = _moe_outputs(fmt, g, 4, 30, [{**micro, "cpu_prefill_prefetch_hint": h, "cpu_prefill_prefetch_ahead": a}
+                                       for h, a in cases])
     assert all(torch.equal(out[0], o) for o in out[1:]), fmt
 
 

@@ -34,9 +34,7 @@ void norm_rows(const float* x, const float* w, float* out, int64_t T, int64_t D,
   });
 }
 
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+inline __m512 load_bf16x16(const uint16_t* p) { return Loader<kBF16>::cvt(_mm256_loadu_si256((const __m256i*)p)); }
 inline float bf16_at(const uint16_t* p, int64_t k) { return (float)c10::BFloat16(p[k], c10::BFloat16::from_bits()); }
 
 // norm_rows on bf16 rows read and written as bf16, in the same float operations (the sum of squares in
@@ -68,7 +66,7 @@ void norm_rows_bf16(const uint16_t* x, const uint16_t* res, const float* w, uint
       const __m512 vi = _mm512_set1_ps(inv);
       uint16_t* o = out + r * D;
       for (int64_t k = 0; k < D16; k += 16) {
-        const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(_mm512_mul_ps(load_bf16x16(xr + k), vi))), 16));
+        const __m512 n = Loader<kBF16>::cvt(bf16x16(_mm512_mul_ps(load_bf16x16(xr + k), vi)));
         _mm256_storeu_si256((__m256i*)(o + k), bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w + k), n)));
       }
       for (int64_t k = D16; k < D; ++k) o[k] = c10::BFloat16(w[k] * (float)c10::BFloat16(bf16_at(xr, k) * inv)).x;
@@ -82,15 +80,25 @@ bool bf16_rows(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 &&
 
 }  // namespace
 
+inline const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+inline uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// The bf16-row norm of x (+ residual, written to *summed): the output
+static at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor* residual, at::Tensor* summed, const at::Tensor& weight,
+                     double eps) {
+  const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(D, 1);
+  const at::Tensor wf = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(x);
+  if (summed) *summed = at::empty_like(x);
+  norm_rows_bf16(bf16_ptr(x), residual ? bf16_ptr(*residual) : nullptr, wf.data_ptr<float>(),
+                 summed ? bf16_ptr(*summed) : nullptr, bf16_ptr(out), T, D, eps);
+  return out;
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (bf16_rows(x)) return norm_bf16(x, nullptr, nullptr, weight, eps);
   const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(D, 1);
   at::Tensor wf = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
-  if (bf16_rows(x)) {
-    at::Tensor out = at::empty_like(x);
-    norm_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, wf.data_ptr<float>(), nullptr,
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, D, eps);
-    return out;
-  }
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(xf);
   norm_rows(xf.data_ptr<float>(), wf.data_ptr<float>(), out.data_ptr<float>(), T, D, eps, x.scalar_type());
@@ -100,13 +108,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                         double eps) {
   if (bf16_rows(x) && bf16_rows(residual) && x.sizes() == residual.sizes()) {
-    const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(D, 1);
-    at::Tensor wf = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
-    at::Tensor summed = at::empty_like(x), out = at::empty_like(x);
-    norm_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<const uint16_t*>(residual.data_ptr<at::BFloat16>()), wf.data_ptr<float>(),
-                   reinterpret_cast<uint16_t*>(summed.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), T, D, eps);
+    at::Tensor summed;
+    at::Tensor out = norm_bf16(x, &residual, &summed, weight, eps);
     return {out, summed};
   }
   at::Tensor summed = residual.add(x);
