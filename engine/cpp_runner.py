@@ -45,7 +45,7 @@ def unsupported(model) -> str | None:
             if c.n_routed_experts % max(c.n_group, 1):
                 return "experts not divisible into groups"
             a13, a2 = w[p + "experts.w13"], w[p + "experts.w2"]
-            if not (isinstance(a13, cpu.Packed) and isinstance(a2, cpu.Packed) and a13.args[0] == a2.args[0]
+            if not (isinstance(a13, cpu.Packed) and isinstance(a2, cpu.Packed) and cpu.moe_formats_match(a13.args[0], a2.args[0])
                     and a13.args[6:] == a2.args[6:] and a13.args[1].dim() == 3):
                 return f"layer {i}'s experts are in a format the fused MoE kernel does not take"
             if not isinstance(model.routers[i], cpu.Packed):

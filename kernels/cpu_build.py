@@ -37,7 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "cpu" / "csrc"
-SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_int8.cpp", "micro_fp8.cpp", "micro_int4.cpp",
+SOURCES = ("micro_f32.cpp", "micro_bf16.cpp", "micro_r16.cpp", "micro_int8.cpp", "micro_fp8.cpp", "micro_int4.cpp",
            "matmul.cpp", "moe.cpp", "attention.cpp", "small_ops.cpp", "probe.cpp", "amx.cpp", "isa.cpp", "runner.cpp",
            "bindings.cpp")
 HEADERS = ("common.h", "micro.h", "ops.h", "dot.h", "amx_tiles.h", "micro_dot.inc", "micro_dot_both.inc", "attn_dot.inc",

@@ -202,6 +202,12 @@ def _calls(cpu, weight, g, out) -> None:
             out[f"moe/{fmt}/{t}"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=unpack)
             if fmt == "bf16":
                 out[f"moe/{fmt}/{t}/split256"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs={**unpack, "cpu_bf16_method": "split256"})
+                # the r16 layout: float32 FMAs, and vdpbf16ps's model on bf16 activations
+                r13, r2 = cpu.prepare(w13.orig, layout="r16"), cpu.prepare(w2.orig, layout="r16")
+                out[f"moe/{fmt}/{t}/r16"] = cpu.fused_moe(xm, r13, r2, tw, ids)
+                with cpu.emulate(["avx512_bf16"]):
+                    out[f"moe/{fmt}/{t}/r16/model"] = cpu.fused_moe(xm.to(torch.bfloat16), r13, r2, tw, ids,
+                                                                   knobs={"cpu_bf16_isa": "avx512bf16"})
             if fmt in ("int8", "int4_g128"):
                 out[f"moe/{fmt}/{t}/maddubs"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=maddubs)
     x, r, nw = torch.randn(5, 1000, generator=g), torch.randn(5, 1000, generator=g), torch.rand(1000, generator=g)

@@ -26,6 +26,7 @@ Tolerances, ‖got − ref‖ / ‖ref‖ on the same quantized weights:
 Plus: the engine's logits with this backend still match transformers (the bf16 bound of
 test_oracle_transformers).
 """
+import contextlib
 from functools import lru_cache
 
 import pytest
@@ -610,3 +611,177 @@ def test_bf16_split256_is_one_result_for_every_tile_and_k_block(k):
                         y = cpu.linear(xs[:t], w, knobs=knobs)
                     assert rec[0]["isa"] == "avx2", rec
                     assert torch.equal(y, first[:t]), (k, t, rows, tokens, kb)
+
+
+# ------------------------------------------------------------------ BF16 experts in the r16 layout
+
+# (T, E, D, I, top-k, experts the router may pick): one block of 16 (I = 16), the smallest w2 (D = 32),
+# odd token counts around the tile widths (1, 5, 13, 37 and 40 on few experts: many token groups), an
+# expert without tokens, every token on one expert
+R16_CASES = {
+    "regular": (8, 8, 256, 128, 2, None),
+    "one_block": (5, 4, 32, 16, 2, None),
+    "odd_t13": (13, 6, 96, 48, 3, None),
+    "t40_few_experts": (40, 3, 64, 32, 2, None),
+    "empty_expert": (6, 9, 256, 96, 3, [0, 1, 2, 3, 5, 6, 7, 8]),
+    "all_on_one": (37, 9, 64, 32, 1, [4]),
+    "t1": (1, 9, 256, 96, 3, None),
+}
+BF16_NATIVE = "avx512_bf16" in cpu.features()
+
+
+def r16_moe(case: str, layout13: str = "r16", layout2: str = "r16"):
+    t, e, d, i, k, pool = R16_CASES[case]
+    w13, w2 = moe_weights(e, d, i, "bf16", seed=t + e)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(11))
+    return (cpu.prepare(w13, layout=layout13), cpu.prepare(w2, layout=layout2), w13, w2, x, tw, ids)
+
+
+def test_r16_pack_is_the_documented_layout_and_unpacks():
+    w = torch.arange(2 * 32 * 6, dtype=torch.float32).view(2, 32, 6).to(torch.bfloat16)
+    r = cpu.r16_pack(w)
+    assert r.shape == w.shape and r.dtype == torch.bfloat16
+    flat = r.view(torch.int32).view(2, -1)  # per expert: block b, pair p, row r at b·16·3 + p·16 + r
+    pair = w.view(torch.int32).view(2, 32, 3)  # pair p of row n
+    for e, n, p in ((0, 0, 0), (0, 17, 2), (1, 31, 1), (1, 5, 0)):
+        assert flat[e, (n // 16) * 48 + p * 16 + n % 16] == pair[e, n, p]
+    assert torch.equal(cpu.r16_unpack(r), w)
+    assert cpu.r16_fits((4, 64, 2)) and not cpu.r16_fits((4, 48, 8)) and not cpu.r16_fits((4, 64, 7))
+    assert not cpu.r16_fits((64, 8))  # linears keep rows
+
+
+@pytest.mark.parametrize("case", sorted(R16_CASES))
+def test_r16_fused_moe_matches_the_reference_on_every_policy(case):
+    p13, p2, w13, w2, x, tw, ids = r16_moe(case)
+    assert p13.args[0] == p2.args[0] == cpu.R16_ID and isinstance(p13.orig, cpu.R16Experts)
+    ref = reference.fused_moe(x, w13, w2, tw, ids)
+    xb = x.to(torch.bfloat16)
+    refb = reference.fused_moe(xb, w13, w2, tw, ids)
+    # float32 activations: float32 FMAs on exact products (any CPU), as tight as the row-major path
+    with cpu.recording() as rec:
+        check(cpu.fused_moe(x, p13, p2, tw, ids), ref, TIGHT, f"r16 f32-act {case}")
+    assert rec[-1]["isa"] == "avx512+r16" and rec[-1]["format"] == "bf16"
+    # bf16 activations on float32 FMAs (cpu_bf16_isa=avx512), on vdpbf16ps's C++ model, and on the instruction
+    check(cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512"}), refb, BF16_MOE, f"r16 fma {case}")
+    with cpu.emulate(["avx512_bf16"]), cpu.recording() as rec:
+        model = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+    assert rec[-1]["isa"] == "avx512bf16-model+r16"
+    check(model, refb, BF16_MOE, f"r16 dot model {case}")
+    if BF16_NATIVE:
+        with cpu.recording() as rec:
+            native = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+        assert rec[-1]["isa"] == "avx512bf16+r16"
+        assert torch.equal(native, model), "the model is exact: the instruction's result bit for bit"
+
+
+def test_r16_native_dot_product_where_the_cpu_has_it():
+    if not BF16_NATIVE:
+        pytest.skip("this CPU lacks avx512_bf16: the r16 tiles ran on vdpbf16ps's C++ model only")
+    p13, p2, w13, w2, x, tw, ids = r16_moe("odd_t13")
+    xb = x.to(torch.bfloat16)
+    check(cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"}),
+          reference.fused_moe(xb, w13, w2, tw, ids), BF16_MOE, "r16 native")
+
+
+@pytest.mark.parametrize("layouts", [("r16", "rows"), ("rows", "r16")])
+def test_r16_one_stack_in_each_layout(layouts):
+    p13, p2, w13, w2, x, tw, ids = r16_moe("odd_t13", *layouts)
+    assert {p13.args[0], p2.args[0]} == {cpu.R16_ID, cpu.FORMAT_IDS["bf16"]}
+    check(cpu.fused_moe(x, p13, p2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), TIGHT, f"mixed {layouts}")
+    with cpu.recording() as rec:
+        cpu.fused_moe(x.to(torch.bfloat16), p13, p2, tw, ids)
+    assert rec[-1]["isa"].endswith("+r16")
+
+
+R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_next_prefetch",
+                              "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
+             for v in knob_samples(n)]
+
+
+def test_r16_knobs_change_no_result_bitwise():
+    """Each output of an r16 tile sums its K pairs in one lane in order, whatever the tile's rows, tokens or
+    prefetch: every value of every knob the sweep reads gives the same bits (each value also ran)."""
+    for case in ("t40_few_experts", "all_on_one", "t1"):
+        p13, p2, _, _, x, tw, ids = r16_moe(case)
+        for xa, extra in ((x, {}), (x.to(torch.bfloat16), {"cpu_bf16_isa": "avx512bf16"})):
+            with cpu.emulate(["avx512_bf16"]) if extra else contextlib.nullcontext():
+                want = cpu.fused_moe(xa, p13, p2, tw, ids, knobs=extra)
+                for name, value in R16_KNOBS:
+                    with cpu.recording() as rec:
+                        got = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**extra, name: value})
+                    assert rec[-1]["knobs"][name] == value
+                    assert torch.equal(got, want), (case, name, value)
+
+
+def test_r16_layout_resolution_and_prepare():
+    w13, _ = moe_weights(4, 64, 32, "bf16")
+    try:
+        for value, mask, want in (("rows", {"avx512_bf16"}, cpu.FORMAT_IDS["bf16"]), ("r16", set(), cpu.R16_ID),
+                                  ("auto", set(), cpu.FORMAT_IDS["bf16"])):
+            cpu.configure({"cpu_bf16_expert_layout": value})
+            with cpu.feature_mask(mask):
+                assert cpu.prepare(w13).args[0] == want, (value, mask)
+        cpu.configure({"cpu_bf16_expert_layout": "auto"})
+        with cpu.feature_mask({"avx512_bf16"}):  # auto: r16 where AVX512-BF16 runs and AMX does not
+            assert cpu.bf16_expert_layout() == ("r16" if BF16_NATIVE else "rows")
+        with cpu.feature_mask({"avx512_bf16", "amx"}):
+            if "amx" in cpu.features():
+                assert cpu.bf16_expert_layout() == "rows"
+    finally:
+        cpu.configure({"cpu_bf16_expert_layout": cpu.KNOB_DEFAULTS["cpu_bf16_expert_layout"]})
+    odd = formats.DenseWeight(torch.randn(4, 48, 64).to(torch.bfloat16))  # 48 rows: not whole 32s
+    assert cpu.prepare(odd, layout="r16").args[0] == cpu.FORMAT_IDS["bf16"]
+    lin = formats.DenseWeight(torch.randn(64, 64).to(torch.bfloat16))
+    assert cpu.prepare(lin, layout="r16").args[0] == cpu.FORMAT_IDS["bf16"]  # a linear keeps rows
+    with pytest.raises(ValueError, match="layout 'cols'"):
+        cpu.prepare(w13, layout="cols")
+    # a copy by default (the caller's weight stays row-major); prepare_weights repacks in its own storage
+    src = w13.w.clone()
+    p = cpu.prepare(w13, layout="r16")
+    assert torch.equal(w13.w, src) and torch.equal(p.dequantize(), src.float()) and torch.equal(p[2].w, src[2])
+    assert p.shape == w13.shape and p.nbytes == w13.nbytes
+    try:
+        cpu.configure({"cpu_bf16_expert_layout": "r16", "cpu_huge_pages": False})
+        mine = formats.DenseWeight(src.clone())
+        loaded = {"layers.0.experts.w13": mine}
+        packed = cpu.prepare_weights(loaded)["layers.0.experts.w13"]
+        assert packed.args[1].data_ptr() == mine.w.data_ptr() and torch.equal(packed.args[1], cpu.r16_pack(src))
+        # the dict is consumed: a second engine on it (the tuner's shared load) gets the same wrapper, never
+        # the r16 bytes read as rows and repacked again
+        assert loaded["layers.0.experts.w13"] is packed
+        assert cpu.prepare_weights(loaded)["layers.0.experts.w13"] is packed
+        assert torch.equal(packed.dequantize(), src.float())
+    finally:
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_expert_layout", "cpu_huge_pages")})
+
+
+def test_r16_weights_refuse_the_linear_and_a_format_mix():
+    p13, p2, *_ = r16_moe("regular")
+    with pytest.raises(RuntimeError, match="r16 is a layout of expert stacks only"):
+        cpu._ext.linear(torch.randn(2, 256), cpu.R16_ID, p13.args[1][0], 256, 256, cpu._EMPTY, cpu._EMPTY, 0, 1,
+                        cpu.make_knobs())
+    i8 = cpu.prepare(formats.quantize_int8_channel(torch.randn(8, 256, 128)))
+    assert not cpu.moe_formats_match(p13.args[0], i8.args[0]) and cpu.moe_formats_match(p13.args[0], 1)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1408), (7, 2 * 5632), (3, 2 * 37), (2, 4, 2 * 16), (0, 2 * 8), (5, 2)])
+def test_silu_and_mul_matches_the_reference(shape):
+    """float32 within a few ulps of torch's SiLU (exp512's error); bfloat16 within one rounding step, and
+    almost always the same bits; large |gate| saturates (−∞ side to −0, +∞ side to gate · up)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 4
+    if x.numel():
+        x.view(-1)[:4] = torch.tensor([0.0, -0.0, 120.0, -120.0])[: x.numel()]
+    got, ref = cpu.silu_and_mul(x), reference.silu_and_mul(x)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=2e-6, atol=1e-30), (got - ref).abs().max()
+    xb = x.to(torch.bfloat16)
+    gb, rb = cpu.silu_and_mul(xb), reference.silu_and_mul(xb)
+    assert gb.dtype == torch.bfloat16 and gb.shape == rb.shape
+    assert torch.allclose(gb.float(), rb.float(), rtol=2 ** -7, atol=1e-30)
+    if rb.numel() >= 1000:
+        assert (gb != rb).float().mean() < 0.01
+    strided = torch.cat([x, x], -1)[..., : x.shape[-1]]  # a non-contiguous view: same values
+    assert torch.equal(cpu.silu_and_mul(strided), got)
+    assert torch.equal(cpu.silu_and_mul(x.to(torch.float16)), reference.silu_and_mul(x.to(torch.float16)))

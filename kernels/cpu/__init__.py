@@ -1,11 +1,13 @@
 """The "cpu" kernel backend: AVX-512 C++ kernels (kernels/cpu/csrc) for linear, fused MoE,
-RMSNorm (+ residual) and RoPE; the other ops (routing, attention, per-head linear, SiLU·mul)
+RMSNorm (+ residual), RoPE, SiLU·mul and attention; the other ops (routing, per-head linear)
 delegate to `kernels.reference`.
 
 Weights: every format of kernels.formats (dense float32/bfloat16, INT8-channel, FP8-block,
 INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wraps each weight
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
+BF16 expert stacks may instead be repacked once into the r16 layout (16 rows interleaved by bf16 pair,
+`R16Experts`; knob cpu_bf16_expert_layout), which only the fused MoE kernel reads.
 
 Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
 one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
@@ -47,6 +49,11 @@ _knobs = dict(KNOB_DEFAULTS)
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
 FORMAT_NAMES = {v: k for k, v in FORMAT_IDS.items()}
+# BF16 expert stacks in the r16 layout (csrc/common.h kBF16R16; knob cpu_bf16_expert_layout): the format
+# is still bf16 for every table, record and profile; the call record's "isa" names the layout ("+r16")
+R16_ID = 19
+FORMAT_NAMES[R16_ID] = "bf16"
+BF16_IDS = (FORMAT_IDS["bf16"], R16_ID)
 _EMPTY = torch.empty(0)
 
 # ---------------------------------------------------------------- knobs: the named struct
@@ -256,10 +263,74 @@ class Packed:
         return self.orig[e]
 
 
+def r16_pack(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 [..., N, K] (N % 16 == 0, K even) in the r16 layout, same shape: each block of 16 rows holds
+    [K/2][16] bf16 pairs (pair p of the block's row r at 32-bit offset p·16 + r), in the bytes the rows held."""
+    *lead, n, k = w.shape
+    pairs = w.contiguous().view(torch.int32).view(*lead, n // 16, 16, k // 2)
+    return pairs.transpose(-1, -2).contiguous().view(torch.bfloat16).view(*lead, n, k)
+
+
+def r16_unpack(w: torch.Tensor) -> torch.Tensor:
+    """The row-major bf16 [..., N, K] of an r16 tensor (r16_pack's inverse)."""
+    *lead, n, k = w.shape
+    blocks = w.contiguous().view(torch.int32).view(*lead, n // 16, k // 2, 16)
+    return blocks.transpose(-1, -2).contiguous().view(torch.bfloat16).view(*lead, n, k)
+
+
+def r16_fits(shape) -> bool:
+    """Whether an expert stack of this shape can take the r16 layout: rows in whole 32s (so that gate|up's
+    halves each start a 16-row block), an even K."""
+    return len(shape) == 3 and shape[-2] % 32 == 0 and shape[-1] % 2 == 0
+
+
+def bf16_expert_layout() -> str:
+    """What cpu_bf16_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-BF16 and no
+    AMX (AMX's GEMM path reads row-major blocks), else rows."""
+    v = _knobs["cpu_bf16_expert_layout"]
+    if v != "auto":
+        return v
+    have = features()
+    return "r16" if "avx512_bf16" in have and "amx" not in have else "rows"
+
+
+@dataclass
+class R16Experts:
+    """A BF16 expert stack [E, N, K] whose bytes are in the r16 layout (r16_pack), as the fused MoE
+    kernel reads it; the row-major values on demand (dequantize, [e]) for the reference paths."""
+
+    w: torch.Tensor  # bfloat16 [E, N, K], r16 bytes
+
+    format = "dense"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def __getitem__(self, e) -> DenseWeight:
+        return DenseWeight(r16_unpack(self.w[e]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return r16_unpack(self.w).to(dtype)
+
+
+def _r16_in_place(w: torch.Tensor) -> None:
+    """w (contiguous bf16 [E, N, K]) repacked into r16 in its own storage, one expert at a time (no second
+    copy of the stack)."""
+    for e in range(w.shape[0]):
+        w[e].copy_(r16_pack(w[e]))
+
+
 def _pack(weight) -> tuple | None:
     """The kernel arguments for a weight, or None when the kernels do not take its format."""
     if isinstance(weight, Packed):
         return weight.args
+    if isinstance(weight, R16Experts):
+        return (R16_ID, weight.w, weight.shape[-2], weight.shape[-1], _EMPTY, _EMPTY, 0, 1)
     n, k = weight.shape[-2], weight.shape[-1]
     if isinstance(weight, DenseWeight):
         fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.w.dtype)
@@ -314,8 +385,13 @@ def _huge_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prepare(weight):
+def prepare(weight, in_place: bool = False, layout: str | None = None):
     """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
+
+    A BF16 expert stack (3-D) takes the layout cpu_bf16_expert_layout resolves to (bf16_expert_layout), or
+    `layout` (rows | r16: tests, suites), r16 where r16_fits: repacked in a copy, or with `in_place` in the
+    storage it (or its huge-page copy) has, which the caller then must not read as row-major again
+    (prepare_weights: the engine's loaded weights).
 
     With cpu_huge_pages (on by default) a weight of at least 2 MiB not already in huge-page storage
     (the engine's loader places it there: kernels.cpu.weight_empty) is first copied into memory advised
@@ -331,12 +407,29 @@ def prepare(weight):
             and not _in_huge_pages(bulk)):
         weight = dataclasses.replace(weight, **{field: _huge_copy(bulk.contiguous())})
         args = _pack(weight)
+        in_place = True  # the copy is ours
+    w = args[1]
+    if layout not in (None, "rows", "r16"):
+        raise ValueError(f"layout {layout!r}: expected rows or r16")
+    if args[0] == FORMAT_IDS["bf16"] and r16_fits(w.shape) and (layout or bf16_expert_layout()) == "r16":
+        if in_place and w.data_ptr() == weight.w.data_ptr():
+            _r16_in_place(w)
+        else:
+            w = _huge_copy(r16_pack(w)) if _knobs["cpu_huge_pages"] and w.nbytes >= HUGE_MIN_BYTES else r16_pack(w)
+        weight = R16Experts(w)
+        args = _pack(weight)
     return Packed(weight, args)
 
 
 def prepare_weights(weights: dict) -> dict:
-    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged)."""
-    return {key: (w if isinstance(w, torch.Tensor) else prepare(w)) for key, w in weights.items()}
+    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged). BF16 expert
+    stacks taking the r16 layout are repacked in their own storage, so the dict is consumed: each of its
+    weights is replaced by its wrapper there too, and a second engine built on the same dict (the tuner's
+    trials share one load) finds them prepared instead of reading r16 bytes as rows."""
+    for key, w in weights.items():
+        if not isinstance(w, torch.Tensor):
+            weights[key] = prepare(w, in_place=True)
+    return dict(weights)
 
 
 def _orig(weight):
@@ -366,16 +459,22 @@ def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def moe_formats_match(f13: int, f2: int) -> bool:
+    """Whether the fused MoE kernel takes these two stacks' format ids together: one format, or BF16 in
+    either layout each (each stack takes r16 by its own shape)."""
+    return f13 == f2 or (f13 in BF16_IDS and f2 in BF16_IDS)
+
+
 def fused_moe(x, w13, w2, topk_weights, topk_ids, knobs: dict | None = None) -> torch.Tensor:
     """Σ_k w_k · down_e(SiLU(gate_e · x) ⊙ up_e · x); shapes as kernels.reference.fused_moe."""
     a13, a2 = _pack(w13), _pack(w2)
-    usable = (a13 is not None and a2 is not None and a13[0] == a2[0] and a13[6:] == a2[6:]
+    usable = (a13 is not None and a2 is not None and moe_formats_match(a13[0], a2[0]) and a13[6:] == a2[6:]
               and x.dtype in (torch.float32, torch.bfloat16) and a13[1].dim() == 3)
     if not usable:
         return reference.fused_moe(x, _orig(w13), _orig(w2), topk_weights, topk_ids)
     fmt, w13t, n13, d, s13, z13, group, block_n = a13
     kn = _struct(knobs)
-    out = _ext.fused_moe(x.contiguous(), fmt, w13t, s13, z13, a2[1], a2[4], a2[5], n13 // 2, group, block_n,
+    out = _ext.fused_moe(x.contiguous(), fmt, w13t, s13, z13, a2[0], a2[1], a2[4], a2[5], n13 // 2, group, block_n,
                          topk_weights.float().contiguous(), topk_ids.long().contiguous(), kn)
     if _records is not None:
         _record("fused_moe", FORMAT_NAMES[fmt], x.shape[0], kn)
@@ -478,7 +577,12 @@ def paged_extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs: dict | 
     return _extend(q, k_cache, v_cache, block_table, kv_len, scale, knobs, "paged_extend")
 
 
-silu_and_mul = reference.silu_and_mul
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] → SiLU(gate) · up [..., I] in gate_up's dtype (float32 inside): C++ for float32 and bfloat16,
+    the reference otherwise."""
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        return reference.silu_and_mul(gate_up)
+    return _ext.silu_and_mul(gate_up)
 head_linear = reference.head_linear
 grouped_topk = reference.grouped_topk
 write_cache = reference.write_cache

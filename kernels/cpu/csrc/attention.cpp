@@ -26,6 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include "dot.h"
 #include "ops.h"
+#include "vmath.h"
 #include "amx_tiles.h"
 
 namespace moetune {
@@ -48,25 +49,6 @@ enum AttnDot : int { kNoDot = 0, kDotHw = 1, kDotModel = 2, kDotAmx = 3, kDotAmx
 
 constexpr int kGroup = 16;  // rows per register group
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// e^x for float32 lanes (x ≤ 0 here: scores minus the running max): 2^n · p(r), r = x − n·ln2,
-// degree-6 polynomial; relative error ≈ 2e-7. Below −87 the result is ~1e-38, not 0 (masked lanes
-// are zeroed by the caller).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
 

@@ -4,6 +4,7 @@
 
 namespace moetune {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                         double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave);
@@ -107,6 +108,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
       .def_readwrite("prefill_prefetch_hint", &Knobs::prefill_prefetch_hint)
       .def_readwrite("prefill_prefetch_ahead", &Knobs::prefill_prefetch_ahead)
+      .def_readwrite("r16_rows", &Knobs::r16_rows)
+      .def_readwrite("r16_prefill_rows", &Knobs::r16_prefill_rows)
+      .def_readwrite("r16_tokens", &Knobs::r16_tokens)
+      .def_readwrite("r16_next_prefetch", &Knobs::r16_next_prefetch)
       .def_readwrite("int8_isa", &Knobs::int8_isa)
       .def_readwrite("bf16_isa", &Knobs::bf16_isa)
       .def_readwrite("bf16_gemm", &Knobs::bf16_gemm)
@@ -138,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_peak_gops", &moetune::amx_peak_gops);
   m.def("linear", &moetune::linear, "y[T, N] float32 = x · Wᵀ for a weight in any format");
   m.def("fused_moe", &moetune::fused_moe, "fused MoE (grouped by expert, SiLU fused), float32 [T, D]");
+  m.def("silu_and_mul", &moetune::silu_and_mul, "[..., 2I] -> SiLU(gate) * up [..., I], float32 inside, in the input dtype");
   m.def("rms_norm", &moetune::rms_norm);
   m.def("add_rms_norm", &moetune::add_rms_norm);
   m.def("rope", &moetune::rope, "rotary embedding, de-interleaved output, x.dtype");

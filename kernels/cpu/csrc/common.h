@@ -1,7 +1,8 @@
 // Shared pieces of the AVX-512 kernels: weight views, in-register weight conversion, reductions.
 //
 // Every weight is row-major [N, K] (N output rows, K inputs), the layout the checkpoint stores, so
-// "repacking" at load is only making tensors contiguous and precomputing scales. A kernel reads 32
+// "repacking" at load is only making tensors contiguous and precomputing scales; the one exception is a
+// BF16 expert stack taking the r16 layout (kBF16R16 below, micro_r16.cpp). A kernel reads 32
 // consecutive K elements of a row at a time and turns them into two float32 vectors (or one int16
 // vector for INT8), the conversion happening in registers.
 #pragma once
@@ -29,6 +30,11 @@ enum Format : int {
   kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
   kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
   kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16, kInt8Mb = 17, kBF16y = 18,
+  // kBF16R16: a BF16 expert stack repacked at load (knob cpu_bf16_expert_layout=r16): every block of 16 rows
+  // keeps the bytes those rows held, as [K/2][16] 32-bit bf16 pairs (pair p of the block's row r at
+  // uint32 offset p·16 + r). N % 16 == 0, K even. Read only by the r16 sweep (micro_r16.cpp), never by a
+  // GEMM path.
+  kBF16R16 = 19,
 };
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
@@ -138,6 +144,10 @@ struct Knobs {
   PrefetchHint prefetch_hint = (PrefetchHint)-1;
   PrefillPrefetch prefill_prefetch_hint = (PrefillPrefetch)-1;  // sweeps of ≥ 2 token groups (kPrefillSame: as above)
   int64_t prefill_prefetch_ahead = -1;  // ... their bytes ahead in the row, as prefetch_ahead
+  int64_t r16_rows = 0;          // r16 experts: rows per register tile, one token group (16, 32, 64)
+  int64_t r16_prefill_rows = 0;  // ... several token groups
+  int64_t r16_tokens = 0;        // ... tokens per register tile (1..6)
+  PrefetchHint r16_next_prefetch = (PrefetchHint)-1;  // ... a tile's second token group prefetching the next tile
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;
   Bf16Gemm bf16_gemm = (Bf16Gemm)-1;

@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model", "avx2"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model", "avx2", "r16"};
 }  // namespace
 
 unsigned detected_features() {
@@ -125,6 +125,7 @@ void note_micro(const WeightView& W) {
   t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
             : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs
             : W.bf16_ymm ? kUsedAvx2 : kUsedAvx512;
+  if (W.fmt == kBF16R16) t_used |= kUsedR16;  // the layout, beside the instruction
 }
 
 std::string used_variants() {

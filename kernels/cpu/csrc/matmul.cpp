@@ -46,7 +46,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 
 // ------------------------------------------------------------------ weights and knobs
 
-static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 ? 2 : 1; }
+static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 || fmt == kBF16R16 ? 2 : 1; }
 
 // Bytes ahead a microkernel's weight prefetch reads (knobs cpu_prefetch_ahead, cpu_prefill_prefetch_ahead): at
 // most a row; 0 or more than a row: the next tile's rows at the offset read.
@@ -88,7 +88,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
     }
   }
   v.act_bf16 = act_bf16;
-  v.dot = resolve_dot((int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
+  // r16: the BF16 dot product as for row-major BF16 weights (cpu_bf16_isa), else float32 FMAs (no split forms)
+  v.dot = resolve_dot(fmt == kBF16R16 ? kBF16 : (int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
   v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method != kBf16Widen;
   v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
   v.k_block = kn.k_block;
@@ -96,6 +97,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
   TORCH_CHECK(fmt != kInt8 || v.scale, "int8 needs scale");
+  TORCH_CHECK(fmt != kBF16R16 || (N % 16 == 0 && K % 2 == 0 && w.size(-1) == K),
+              "bf16 r16 needs rows in whole blocks of 16 and an even K");
   return s;
 }
 
@@ -129,6 +132,10 @@ void Knobs::check() const {
   TORCH_CHECK(prefill_prefetch_hint >= kPrefillT0 && prefill_prefetch_hint <= kPrefillSame && prefill_prefetch_ahead >= 0 &&
                   prefill_prefetch_ahead % 64 == 0,
               "prefill_prefetch_hint must be set and prefill_prefetch_ahead a multiple of 64 ≥ 0");
+  TORCH_CHECK((r16_rows == 16 || r16_rows == 32 || r16_rows == 64) &&
+                  (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
+                  r16_tokens <= kR16MaxTokens && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
+              "r16_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens 1..12, r16_next_prefetch set");
 }
 
 // ------------------------------------------------------------------ activations
@@ -350,8 +357,52 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 
 // ------------------------------------------------------------------ direct path
 
+// The r16 form of micro_sweep (kBF16R16): rows [n0, n1) in whole 16-row blocks, the tokens in groups of
+// r16_tokens (the rest in one smaller group), each row tile of r16_rows (one group) or r16_prefill_rows
+// (several) running every group over all of K while its rows are in cache (the first group streams them from
+// memory, the later ones read them from L2). Prefetch as micro_sweep's: a sweep of several groups as
+// cpu_prefill_prefetch_hint / _ahead say; the distance is bytes ahead in each block's stream.
+static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
+                      float* out, int64_t ldo, const Knobs& kn) {
+  TORCH_CHECK(n0 % 16 == 0 && n1 % 16 == 0, "r16 sweep: rows in whole 16-row blocks");
+  const int MT = (int)kn.r16_tokens;
+  const int64_t ng = (M + MT - 1) / MT;
+  // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
+  const int RB = (int)std::min<int64_t>((ng > 1 ? kn.r16_prefill_rows : kn.r16_rows) / 16,
+                                        kR16MaxAcc / std::min<int64_t>(MT, M));
+  const int policy = W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
+  WeightView Ws = W;
+  if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
+    Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;
+    Ws.prefetch_dist = prefetch_distance(kn.prefill_prefetch_ahead, W.row_bytes);
+  }
+  const unsigned csr = _mm_getcsr();
+  if (policy == kDotBf16Model) _mm_setcsr(csr | 0x8040u);  // the instruction's DAZ + FTZ (micro_sweep)
+  // the first group prefetches its own lines Ws.prefetch_dist ahead; with cpu_r16_next_prefetch the second
+  // (whose rows come from cache) the next tile's instead, into the level it says, so they stream in while it
+  // computes, and the later ones none
+  const bool ahead = kn.r16_next_prefetch != kPrefetchNone;
+  WeightView Wn = Ws, Wq = Ws;
+  Wn.prefetch_hint = kn.r16_next_prefetch;
+  Wq.prefetch_hint = kPrefetchNone;
+  const int64_t blocks = (n1 - n0 + 15) / 16;
+  for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
+    const int rb = (int)std::min<int64_t>(RB, blocks - b0);
+    const uint8_t* own = W.w + (n0 + 16 * b0) * W.row_bytes;
+    const uint8_t* nxt = own + 16 * rb * W.row_bytes;
+    for (int64_t m0 = 0, q = 0; m0 < M; m0 += MT, ++q) {
+      const int mt = (int)std::min<int64_t>(MT, M - m0);
+      const WeightView& Wv = q == 0 || !ahead ? Ws : q == 1 ? Wn : Wq;
+      get_micro_r16(policy, rb, mt)(Wv, n0 + 16 * b0, A, tok + m0, out + m0 * ldo + 16 * b0, ldo,
+                                    q == 0 || !ahead ? own + Ws.prefetch_dist : nxt);
+    }
+  }
+  if (policy == kDotBf16Model) _mm_setcsr(csr);
+}
+
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
+  if (W.fmt == kBF16R16) return r16_sweep(W, A, tok, M, n0, n1, out, ldo, kn);
   const int R = (int)kn.micro_rows, MT = (int)kn.micro_tokens;
   const bool vnni = W.dot == kDotVnni || W.dot == kDotVnniModel, bf16dot = W.dot == kDotBf16 || W.dot == kDotBf16Model;
   const bool model = W.dot == kDotVnniModel || W.dot == kDotBf16Model;
@@ -459,6 +510,7 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
 // ------------------------------------------------------------------ unpack + BLAS path
 
 void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
+  TORCH_CHECK(W.fmt != kBF16R16, "r16 weights have no GEMM path");
   const int64_t K = W.K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = W.w + r * W.row_bytes;
@@ -689,6 +741,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
                      const Knobs& kn) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
+  TORCH_CHECK(fmt != kBF16R16, "linear: r16 is a layout of expert stacks only");
   kn.check();
   reset_used();
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn, x.scalar_type() == at::kBFloat16).base;

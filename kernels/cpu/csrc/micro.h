@@ -54,6 +54,19 @@ MicroFn get_micro_bf16_dot_wide(int fmt, int tokens);
 MicroFn get_micro_int8_dot_wide(int fmt, int tokens);
 constexpr int wide_rows(int tokens) { return tokens == 6 ? 4 : 2; }
 
+// r16 experts (kBF16R16, micro_r16.cpp): out[m * ldo + r] for the tile's 16 · blocks rows from row r0
+// (a multiple of 16) and `tokens` activation rows tok[0..tokens): per bf16 pair one 64-byte load per
+// 16-row block, each token's pair broadcast, the products into 16-row accumulators (no horizontal sum).
+// policy: kDotBf16 (vdpbf16ps against bf16 activations A.xh), kDotBf16Model (its C++ model; the caller
+// sets MXCSR DAZ + FTZ), or kDotNone (float32 FMAs on the pair's two halves against float activations
+// A.xf: exact products, any CPU). Step p prefetches, as W.prefetch_hint says, line p of each block's
+// stream at pf (block b's at pf + b · 16 · row_bytes).
+constexpr int kR16MaxTokens = 12, kR16MaxAcc = 24;
+using R16Fn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t* tok, float* out, int64_t ldo,
+                       const uint8_t* pf);
+// blocks 1..4, tokens 1..kR16MaxTokens, blocks · tokens ≤ kR16MaxAcc (the accumulators); nullptr otherwise
+R16Fn get_micro_r16(int policy, int blocks, int tokens);
+
 // Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
 // spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).
 inline int64_t tile_row(const WeightView& W, int64_t r0, int r) {

@@ -7,6 +7,7 @@
 #include <omp.h>
 #include <cmath>
 #include "ops.h"
+#include "vmath.h"
 
 namespace moetune {
 
@@ -44,8 +45,6 @@ Routing group_by_expert(const at::Tensor& topk_w, const at::Tensor& topk_ids, in
   return r;
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
 // Rows `rows` of a GEMM-path input (float32 or the INT8 integers as float32).
 at::Tensor gather_rows(const PreparedAct& p, const int64_t* rows, int64_t n, int64_t K) {
   at::Tensor idx = at::from_blob(const_cast<int64_t*>(rows), {n}, at::kLong);
@@ -66,8 +65,7 @@ void gate_up_tile(const WeightView& W, const Act& A, const int64_t* tok, int64_t
   std::vector<float> gate(n * w), up(n * w);
   micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, kn, W.w + (I + i0) * W.row_bytes);
   micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, kn, next);
-  for (int64_t m = 0; m < n; ++m)
-    for (int64_t i = 0; i < w; ++i) h[m * I + i0 + i] = silu(gate[m * w + i]) * up[m * w + i];
+  for (int64_t m = 0; m < n; ++m) silu_mul_f32(gate.data() + m * w, up.data() + m * w, w, h + m * I + i0);
 }
 
 // Phase 2 for one output tile [d0, d1) over every small expert: out[tok, d] += w · down(h)[d].
@@ -102,8 +100,11 @@ void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok
     if (W.fmt == kInt8)
       g.mul_(gathered_scales(xa, tok, n).unsqueeze(1)).mul_(at::from_blob((void*)W.scale, {2 * I}, at::kFloat).unsqueeze(0));
   }
-  at::Tensor hv = at::from_blob(h, {n, I}, at::kFloat);
-  hv.copy_(at::silu(g.narrow(1, 0, I)).mul(g.narrow(1, I, I)));
+  const at::Tensor gf = g.to(at::kFloat).contiguous();
+  const float* gp = gf.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) silu_mul_f32(gp + m * 2 * I, gp + m * 2 * I + I, I, h + m * I);
+  });
 }
 
 void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int64_t e, int64_t I, at::Tensor& out,
@@ -127,7 +128,7 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
-                        const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
+                        const at::Tensor& z13, int64_t fmt2, const at::Tensor& w2, const at::Tensor& s2,
                         const at::Tensor& z2, int64_t I, int64_t group, int64_t block_n,
                         const at::Tensor& topk_w, const at::Tensor& topk_ids, const Knobs& kn) {
   TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_w.sizes() == topk_ids.sizes(), "fused_moe: bad shapes");
@@ -138,12 +139,17 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   // bf16 activations: the down projection's input (SiLU·up) counts as bf16 too (the model's dtype)
   const bool act_bf16 = x.scalar_type() == at::kBFloat16;
   const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn, act_bf16);
-  const StackedWeight W2 = make_weight(fmt, w2, D, I, s2, z2, group, block_n, kn, act_bf16);
+  // the two stacks in one format, except BF16's two layouts (each stack is repacked by its own shape)
+  const bool bf16s = (fmt == kBF16 || fmt == kBF16R16) && (fmt2 == kBF16 || fmt2 == kBF16R16);
+  TORCH_CHECK(fmt2 == fmt || bf16s, "fused_moe: w13 and w2 in different formats");
+  const StackedWeight W2 = make_weight(fmt2, w2, D, I, s2, z2, group, block_n, kn, act_bf16);
+  TORCH_CHECK(fmt != kBF16R16 || I % 16 == 0, "fused_moe: r16 gate|up needs an intermediate size in whole 16-row blocks");
+  const bool r16 = fmt == kBF16R16 || fmt2 == kBF16R16;
   const Routing r = group_by_expert(topk_w.contiguous(), topk_ids.contiguous(), E);
   const int64_t P = T * topk_ids.size(1);
 
   std::vector<int64_t> small, large;
-  const int64_t from = gemm_from(W13.base, kn);
+  const int64_t from = r16 ? INT64_MAX : gemm_from(W13.base, kn);  // r16: no GEMM path (either stack)
   for (int64_t e = 0; e < E; ++e)
     if (r.count[e] > 0) (r.count[e] >= from ? large : small).push_back(e);
 
@@ -153,13 +159,16 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   if (small.empty()) xw.no_micro_forms(), hw.no_micro_forms();
   hw.fp8_widen &= !small.empty();
   if (!small.empty()) note_micro(W13.base);
+  if (fmt2 == kBF16R16) note_used(kUsedR16);
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);
   float* hp = h.data_ptr<float>();
   for (int64_t e : large)
     gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
-  const int64_t bn = kn.moe_block_n, itiles = (I + bn - 1) / bn;
+  // r16: tasks in whole 16-row blocks (I and D are multiples of 16 there: make_weight)
+  const int64_t bn = r16 ? (kn.moe_block_n + 15) / 16 * 16 : kn.moe_block_n;
+  const int64_t itiles = (I + bn - 1) / bn;
   const int64_t tasks1 = (int64_t)small.size() * itiles;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
   for (int64_t t = 0; t < tasks1; ++t) {

@@ -50,7 +50,7 @@ bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
-                       kUsedMaddubs = 512, kUsedAmxModel = 1024, kUsedAvx2 = 2048 };
+                       kUsedMaddubs = 512, kUsedAmxModel = 1024, kUsedAvx2 = 2048, kUsedR16 = 4096 };
 void reset_used();
 void note_used(unsigned bits);
 // the microkernels' variant for weight W: its dot form, or maddubs where the INT4 int8 method runs without VNNI
@@ -128,8 +128,9 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
 // expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
 // (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
 // any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
-// amx_min_tokens at the latest.
+// amx_min_tokens at the latest. r16 weights: never.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
+  if (W.fmt == kBF16R16) return INT64_MAX;  // r16: every token count on its sweep (no GEMM path reads it)
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
@@ -140,7 +141,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
                      const Knobs& knobs);
 at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
-                        const at::Tensor& z13, const at::Tensor& w2, const at::Tensor& s2,
+                        const at::Tensor& z13, int64_t fmt2, const at::Tensor& w2, const at::Tensor& s2,
                         const at::Tensor& z2, int64_t inter, int64_t group, int64_t block_n,
                         const at::Tensor& topk_w, const at::Tensor& topk_ids, const Knobs& knobs);
 

@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <c10/util/BFloat16.h>
 #include "ops.h"
+#include "vmath.h"
 
 namespace moetune {
 
@@ -129,8 +130,6 @@ void rope_row(const float* x, const float* c, const float* s, int64_t P, bool in
     o[half + i] = rnd(d + f, bf);
   }
 }
-
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // One OpenMP thread for the scope when `serial` (restored after).
 struct SerialScope {
@@ -680,8 +679,8 @@ class DecodeRunner {
   // gate_up [T, 2I] → act [T, I] = SiLU(gate) · up in the model dtype
   void silu_mul(const float* gu, int64_t T, int64_t I, float* act) {
     const auto t0 = tic();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < I; ++k) act[t * I + k] = rnd(silu(gu[t * 2 * I + k]) * gu[t * 2 * I + I + k], bf_);
+    for (int64_t t = 0; t < T; ++t) silu_mul_f32(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
+    round_all(act, T * I);
     toc(pAct, t0);
   }
 
@@ -777,7 +776,7 @@ class DecodeRunner {
       const at::Tensor x = bf_ ? hf.to(at::kBFloat16) : hf;
       const at::Tensor w = at::from_blob(tw_.data(), {T, topk_}, at::kFloat);
       const at::Tensor id = at::from_blob(ids_.data(), {T, topk_}, at::kLong);
-      const at::Tensor y = fused_moe(x, L.w13.fmt, L.w13.w, L.w13.scale, L.w13.zero, L.w2.w, L.w2.scale, L.w2.zero,
+      const at::Tensor y = fused_moe(x, L.w13.fmt, L.w13.w, L.w13.scale, L.w13.zero, L.w2.fmt, L.w2.w, L.w2.scale, L.w2.zero,
                                      L.w13.N / 2, L.w13.group, L.w13.block_n, w, id, kn[kFfn1]);
       std::memcpy(m_.data(), y.data_ptr<float>(), T * D_ * sizeof(float));
       note("fused_moe", L.w13.fmt, T, i, kFfn1);

@@ -1,5 +1,5 @@
 // Small fused ops. RMSNorm and residual-add + RMSNorm, rounding like the reference: the normalized
-// value is cast to the input dtype before the weight multiplies it (both in that dtype). RoPE.
+// value is cast to the input dtype before the weight multiplies it (both in that dtype). RoPE. SiLU(gate) · up.
 #include <sys/mman.h>
 #include <cmath>
 #include <cstdlib>
@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include "ops.h"
+#include "vmath.h"
 
 namespace moetune {
 
@@ -142,6 +143,45 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     }
   });
   return out.to(x.scalar_type());
+}
+
+// [..., 2I] → [..., I] = SiLU(gate) · up (the first half of the last dim is the gate), float32 inside, in
+// gate_up's dtype (float32 or bfloat16, rounded to nearest even): the reference's operations, with SiLU's
+// e^x from exp512 (a few float32 ulps from torch's). bf16 rows are read and written as bf16.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const auto dt = gate_up.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_and_mul: float32 or bfloat16");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_and_mul: an even last dim");
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t I = x.size(-1) / 2, T = I ? x.numel() / (2 * I) : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, x.options());
+  if (!T || !I) return out;
+  const bool bf = dt == at::kBFloat16;
+  const uint8_t* src = (const uint8_t*)x.data_ptr();
+  uint8_t* dst = (uint8_t*)out.data_ptr();
+  const int64_t es = bf ? 2 : 4;
+  // rows per task: ≥ 16 K elements (a row of a few thousand runs with its neighbours on one thread)
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t b, int64_t e) {
+    std::vector<float> g(bf ? 2 * I : 0);
+    for (int64_t r = b; r < e; ++r) {
+      if (!bf) {
+        const float* xr = (const float*)(src + r * 2 * I * es);
+        silu_mul_f32(xr, xr + I, I, (float*)(dst + r * I * es));
+        continue;
+      }
+      const uint16_t* xr = (const uint16_t*)(src + r * 2 * I * es);
+      uint16_t* o = (uint16_t*)(dst + r * I * es);
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = tail_mask16(I - i);
+        const __m512 gv = Loader<kBF16>::cvt(_mm256_maskz_loadu_epi16(m, xr + i));
+        const __m512 uv = Loader<kBF16>::cvt(_mm256_maskz_loadu_epi16(m, xr + I + i));
+        _mm256_mask_storeu_epi16(o + i, m, bf16x16(_mm512_mul_ps(silu512(gv), uv)));
+      }
+    }
+  });
+  return out;
 }
 
 // Uninitialized uint8 storage of `nbytes`, 2 MiB aligned and advised for transparent huge pages
