@@ -101,24 +101,32 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "the CPU has AVX512-BF16 and no AMX (AMX's GEMM path takes row-major blocks), else rows. A stack "
          "whose rows are not a multiple of 32 (gate|up: of 16 per half) or whose K is odd stays rows",
          choices=("auto", "rows", "r16"), tune=False),
-    Knob("cpu_r16_rows", int, 16, "kernels/cpu",
-         "CPU fused MoE on r16 experts (cpu_bf16_expert_layout), a sweep of one token group (decode): rows "
-         "per register tile (16 per contiguous stream). `small` at T=1 on an AMD Zen 5 VM against row-major "
-         "BF16: 16 x1.17, 32 x1.07, 64 x1.03", choices=(16, 32, 64)),
+    Knob("cpu_bf16_linear_layout", str, "auto", "kernels/cpu",
+         "CPU kernels, BF16 linears, chosen at load: rows, or r16 (as cpu_bf16_expert_layout: repacked once in "
+         "place, every token count on the r16 tiles, none on oneDNN or another GEMM path); auto: r16 where the CPU "
+         "has AVX512-BF16 and no AMX. A weight whose rows are not a multiple of 16 or whose K is odd stays rows. "
+         "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
+         "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1",
+         choices=("auto", "rows", "r16"), tune=False),
+    Knob("cpu_r16_rows", int, 32, "kernels/cpu",
+         "CPU linear and fused MoE on r16 weights (cpu_bf16_expert_layout, cpu_bf16_linear_layout), a sweep of "
+         "one token group (decode): rows per register tile (16 per contiguous stream). AMD Zen 5 VM against "
+         "row-major BF16 at T=1, 16 / 32 / 64: fused MoE `small` x1.13-1.17 / x1.07-1.11 / x1.03, linear "
+         "[32000, 2048] x1.11 / x1.16 / x1.20, [11264, 2048] x1.13 / x1.36 (64: not measured)", choices=(16, 32, 64)),
     Knob("cpu_r16_prefill_rows", int, 64, "kernels/cpu",
-         "CPU fused MoE on r16 experts, a sweep of several token groups (prefill): rows per register tile, "
+         "CPU linear and fused MoE on r16 weights, a sweep of several token groups (prefill): rows per register tile, "
          "each group of cpu_r16_tokens running over all of K on them (the first group's rows from memory, "
          "the later groups' from L2). `small` on an AMD Zen 5 VM against row-major BF16, 64 / 32 / 16: "
          "x1.40 / x1.35 / x1.06 at 128 tokens, x1.43 / x1.29 at 512", choices=(16, 32, 64)),
     Knob("cpu_r16_next_prefetch", str, "none", "kernels/cpu",
-         "CPU fused MoE on r16 experts, a sweep of several token groups: the cache level into which a row "
+         "CPU linear and fused MoE on r16 weights, a sweep of several token groups: the cache level into which a row "
          "tile's second group (its rows already cached by the first) prefetches the next tile's rows, so "
          "they stream from memory while it computes (the later groups prefetch nothing), or none (every "
          "group prefetches its own rows as the first does, cpu_prefill_prefetch_hint). `small` at 128 tokens "
          "on an AMD Zen 5 VM: t1 x1.02 none at 6 tokens per tile, none x1.03 t1 at 12",
          choices=("t0", "t1", "t2", "none")),
     Knob("cpu_r16_tokens", int, 12, "kernels/cpu",
-         "CPU fused MoE on r16 experts: tokens per register tile (the rest of a sweep's tokens in one "
+         "CPU linear and fused MoE on r16 weights: tokens per register tile (the rest of a sweep's tokens in one "
          "smaller tile); a tile holds at most 24 accumulators of 16 rows, so past 6 tokens it has fewer rows "
          "than cpu_r16_rows / cpu_r16_prefill_rows say. `small` on an AMD Zen 5 VM against row-major BF16, 12 / 8 / "
          "6 / 4 tokens: x1.16-1.23 / x1.16 / x1.08-1.11 / x1.00 at 128 tokens, 12 / 6: x1.33 / x1.31 at 512",
@@ -281,7 +289,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
 )
 
 # read once at load (by prepare(), by the decode runner), not per call
-LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes", "cpu_bf16_expert_layout")
+LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes", "cpu_bf16_expert_layout", "cpu_bf16_linear_layout")
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the
@@ -318,7 +326,7 @@ ATTN_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name.startswith("cpu_attn_"))
 # engine's per-shape tables (engine/kernel_tables.py) set and show these per call site.
 _WEIGHT_OP_KNOBS = tuple(k.name for k in CPU_KNOBS if not k.name.startswith("cpu_attn_") and k.name not in LOAD_KNOBS)
 OP_KNOBS: dict[str, tuple[str, ...]] = {
-    "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n" and not n.startswith("cpu_r16_")),
+    "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n"),
     "fused_moe": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_linear_block_n"),
     "mla_decode": ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
                    "cpu_attn_blas_kv_block", "cpu_attn_isa"),

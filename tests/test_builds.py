@@ -192,6 +192,14 @@ def _calls(cpu, weight, g, out) -> None:
                         out[f"linear/{fmt}/{t}/{dt}/model"] = cpu.linear(x, w, knobs={
                             "cpu_int8_isa": "vnni", "cpu_bf16_isa": "avx512bf16", "cpu_int8_gemm": "vnni",
                             "cpu_bf16_gemm": "avx512bf16", "cpu_fp8_gemm": "avx512bf16", "cpu_unpack_gemm": "blas"})
+        if fmt == "bf16":  # a linear in the r16 layout: float32 FMAs, and vdpbf16ps's model on bf16 activations
+            r = cpu.prepare(weight(torch.randn(64, 1000, generator=g) * 0.05, fmt), layout="r16")
+            for t in (1, 37):
+                x = torch.randn(t, 1000, generator=g)
+                out[f"linear/{fmt}/{t}/r16"] = cpu.linear(x, r)
+                with cpu.emulate(["avx512_bf16"]):
+                    out[f"linear/{fmt}/{t}/r16/model"] = cpu.linear(x.to(torch.bfloat16), r,
+                                                                   knobs={"cpu_bf16_isa": "avx512bf16"})
         e, d, i = 9, 256, 96
         w13 = cpu.prepare(weight(torch.randn(e, 2 * i, d, generator=g) * 0.05, fmt))
         w2 = cpu.prepare(weight(torch.randn(e, d, i, generator=g) * 0.05, fmt))

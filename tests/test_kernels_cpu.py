@@ -648,13 +648,13 @@ def test_r16_pack_is_the_documented_layout_and_unpacks():
         assert flat[e, (n // 16) * 48 + p * 16 + n % 16] == pair[e, n, p]
     assert torch.equal(cpu.r16_unpack(r), w)
     assert cpu.r16_fits((4, 64, 2)) and not cpu.r16_fits((4, 48, 8)) and not cpu.r16_fits((4, 64, 7))
-    assert not cpu.r16_fits((64, 8))  # linears keep rows
+    assert cpu.r16_fits((48, 8)) and not cpu.r16_fits((40, 8)) and not cpu.r16_fits((48, 9))  # linears: 16s
 
 
 @pytest.mark.parametrize("case", sorted(R16_CASES))
 def test_r16_fused_moe_matches_the_reference_on_every_policy(case):
     p13, p2, w13, w2, x, tw, ids = r16_moe(case)
-    assert p13.args[0] == p2.args[0] == cpu.R16_ID and isinstance(p13.orig, cpu.R16Experts)
+    assert p13.args[0] == p2.args[0] == cpu.R16_ID and isinstance(p13.orig, cpu.R16Weight)
     ref = reference.fused_moe(x, w13, w2, tw, ids)
     xb = x.to(torch.bfloat16)
     refb = reference.fused_moe(xb, w13, w2, tw, ids)
@@ -732,8 +732,8 @@ def test_r16_layout_resolution_and_prepare():
         cpu.configure({"cpu_bf16_expert_layout": cpu.KNOB_DEFAULTS["cpu_bf16_expert_layout"]})
     odd = formats.DenseWeight(torch.randn(4, 48, 64).to(torch.bfloat16))  # 48 rows: not whole 32s
     assert cpu.prepare(odd, layout="r16").args[0] == cpu.FORMAT_IDS["bf16"]
-    lin = formats.DenseWeight(torch.randn(64, 64).to(torch.bfloat16))
-    assert cpu.prepare(lin, layout="r16").args[0] == cpu.FORMAT_IDS["bf16"]  # a linear keeps rows
+    lin = formats.DenseWeight(torch.randn(40, 64).to(torch.bfloat16))
+    assert cpu.prepare(lin, layout="r16").args[0] == cpu.FORMAT_IDS["bf16"]  # 40 rows: not whole 16s
     with pytest.raises(ValueError, match="layout 'cols'"):
         cpu.prepare(w13, layout="cols")
     # a copy by default (the caller's weight stays row-major); prepare_weights repacks in its own storage
@@ -756,11 +756,11 @@ def test_r16_layout_resolution_and_prepare():
         cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_expert_layout", "cpu_huge_pages")})
 
 
-def test_r16_weights_refuse_the_linear_and_a_format_mix():
+def test_r16_weights_refuse_bad_shapes_and_a_format_mix():
     p13, p2, *_ = r16_moe("regular")
-    with pytest.raises(RuntimeError, match="r16 is a layout of expert stacks only"):
-        cpu._ext.linear(torch.randn(2, 256), cpu.R16_ID, p13.args[1][0], 256, 256, cpu._EMPTY, cpu._EMPTY, 0, 1,
-                        cpu.make_knobs())
+    with pytest.raises(RuntimeError, match="whole blocks of 16 and an even K"):
+        cpu._ext.linear(torch.randn(2, 255), cpu.R16_ID, torch.zeros(40, 255, dtype=torch.bfloat16), 40, 255,
+                        cpu._EMPTY, cpu._EMPTY, 0, 1, cpu.make_knobs())
     i8 = cpu.prepare(formats.quantize_int8_channel(torch.randn(8, 256, 128)))
     assert not cpu.moe_formats_match(p13.args[0], i8.args[0]) and cpu.moe_formats_match(p13.args[0], 1)
 
@@ -785,3 +785,49 @@ def test_silu_and_mul_matches_the_reference(shape):
     strided = torch.cat([x, x], -1)[..., : x.shape[-1]]  # a non-contiguous view: same values
     assert torch.equal(cpu.silu_and_mul(strided), got)
     assert torch.equal(cpu.silu_and_mul(x.to(torch.float16)), reference.silu_and_mul(x.to(torch.float16)))
+
+
+# (T, N, K): one block, odd token counts around the tile widths, a long prompt (many token groups), short rows
+R16_LINEAR = {"one_block": (3, 16, 64), "t1": (1, 256, 512), "t13": (13, 48, 1000), "t37": (37, 96, 130),
+              "t300": (300, 64, 256), "k2": (5, 32, 2)}
+
+
+@pytest.mark.parametrize("case", sorted(R16_LINEAR))
+def test_r16_linear_matches_the_reference_on_every_policy(case):
+    t, n, k = R16_LINEAR[case]
+    g = torch.Generator().manual_seed(n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "bf16")
+    p = cpu.prepare(w, layout="r16")
+    assert p.args[0] == cpu.R16_ID and torch.equal(p.dequantize(), w.dequantize())
+    x = torch.randn(t, k, generator=g)
+    with cpu.recording() as rec:
+        check(cpu.linear(x, p), reference.linear(x, w), TIGHT, f"r16 linear f32-act {case}")
+    assert rec[-1]["isa"] == "avx512+r16"
+    xb = x.to(torch.bfloat16)
+    ref = reference.linear(xb, w)
+    check(cpu.linear(xb, p, knobs={"cpu_bf16_isa": "avx512"}), ref, BF16_LINEAR, f"r16 linear fma {case}")
+    with cpu.emulate(["avx512_bf16"]):
+        model = cpu.linear(xb, p, knobs={"cpu_bf16_isa": "avx512bf16"})
+    check(model, ref, BF16_LINEAR, f"r16 linear model {case}")
+    if BF16_NATIVE:
+        assert torch.equal(cpu.linear(xb, p, knobs={"cpu_bf16_isa": "avx512bf16"}), model)
+    # every knob the r16 sweep reads, and the task size, give the same bits
+    for name, value in R16_KNOBS + [("cpu_linear_block_n", 16), ("cpu_linear_block_n", 1)]:
+        assert torch.equal(cpu.linear(x, p, knobs={name: value}), cpu.linear(x, p)), (case, name, value)
+
+
+def test_r16_linear_layout_resolution():
+    w = make_weight(torch.randn(64, 64), "bf16")
+    try:
+        for value, mask, want in (("rows", {"avx512_bf16"}, cpu.FORMAT_IDS["bf16"]), ("r16", set(), cpu.R16_ID),
+                                  ("auto", set(), cpu.FORMAT_IDS["bf16"])):
+            cpu.configure({"cpu_bf16_linear_layout": value, "cpu_bf16_expert_layout": "rows"})
+            with cpu.feature_mask(mask):
+                assert cpu.prepare(w).args[0] == want, (value, mask)
+        with cpu.feature_mask({"avx512_bf16"}):
+            cpu.configure({"cpu_bf16_linear_layout": "auto"})
+            assert cpu.bf16_linear_layout() == ("r16" if BF16_NATIVE else "rows")
+            # the two knobs are apart: the experts' says nothing about linears
+            assert cpu.bf16_expert_layout() == "rows"
+    finally:
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_linear_layout", "cpu_bf16_expert_layout")})

@@ -6,8 +6,9 @@ Weights: every format of kernels.formats (dense float32/bfloat16, INT8-channel, 
 INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wraps each weight
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
-BF16 expert stacks may instead be repacked once into the r16 layout (16 rows interleaved by bf16 pair,
-`R16Experts`; knob cpu_bf16_expert_layout), which only the fused MoE kernel reads.
+BF16 expert stacks and linears may instead be repacked once into the r16 layout (16 rows interleaved by
+bf16 pair, `R16Weight`; knobs cpu_bf16_expert_layout, cpu_bf16_linear_layout), which only the fused MoE and
+linear kernels read (on every token count: no GEMM path reads it).
 
 Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
 one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
@@ -268,38 +269,52 @@ def r16_pack(w: torch.Tensor) -> torch.Tensor:
     [K/2][16] bf16 pairs (pair p of the block's row r at 32-bit offset p·16 + r), in the bytes the rows held."""
     *lead, n, k = w.shape
     pairs = w.contiguous().view(torch.int32).view(*lead, n // 16, 16, k // 2)
-    return pairs.transpose(-1, -2).contiguous().view(torch.bfloat16).view(*lead, n, k)
+    out = torch.empty(*lead, n // 16, k // 2, 16, dtype=torch.int32)  # (not .contiguous(): K = 2 is "contiguous")
+    out.copy_(pairs.transpose(-1, -2))
+    return out.view(*lead, n, k // 2).view(torch.bfloat16)
 
 
 def r16_unpack(w: torch.Tensor) -> torch.Tensor:
     """The row-major bf16 [..., N, K] of an r16 tensor (r16_pack's inverse)."""
     *lead, n, k = w.shape
     blocks = w.contiguous().view(torch.int32).view(*lead, n // 16, k // 2, 16)
-    return blocks.transpose(-1, -2).contiguous().view(torch.bfloat16).view(*lead, n, k)
+    out = torch.empty(*lead, n // 16, 16, k // 2, dtype=torch.int32)
+    out.copy_(blocks.transpose(-1, -2))
+    return out.view(*lead, n, k // 2).view(torch.bfloat16)
 
 
 def r16_fits(shape) -> bool:
-    """Whether an expert stack of this shape can take the r16 layout: rows in whole 32s (so that gate|up's
-    halves each start a 16-row block), an even K."""
-    return len(shape) == 3 and shape[-2] % 32 == 0 and shape[-1] % 2 == 0
+    """Whether a BF16 weight of this shape can take the r16 layout: an even K, and rows in whole 16s (a linear)
+    or 32s (an expert stack, so that gate|up's halves each start a 16-row block)."""
+    return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and shape[-1] % 2 == 0
 
 
-def bf16_expert_layout() -> str:
-    """What cpu_bf16_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-BF16 and no
-    AMX (AMX's GEMM path reads row-major blocks), else rows."""
-    v = _knobs["cpu_bf16_expert_layout"]
+def _r16_auto(knob: str) -> str:
+    v = _knobs[knob]
     if v != "auto":
         return v
     have = features()
     return "r16" if "avx512_bf16" in have and "amx" not in have else "rows"
 
 
-@dataclass
-class R16Experts:
-    """A BF16 expert stack [E, N, K] whose bytes are in the r16 layout (r16_pack), as the fused MoE
-    kernel reads it; the row-major values on demand (dequantize, [e]) for the reference paths."""
+def bf16_expert_layout() -> str:
+    """What cpu_bf16_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-BF16 and no
+    AMX (AMX's GEMM path reads row-major blocks), else rows."""
+    return _r16_auto("cpu_bf16_expert_layout")
 
-    w: torch.Tensor  # bfloat16 [E, N, K], r16 bytes
+
+def bf16_linear_layout() -> str:
+    """What cpu_bf16_linear_layout resolves to here (auto: as bf16_expert_layout)."""
+    return _r16_auto("cpu_bf16_linear_layout")
+
+
+@dataclass
+class R16Weight:
+    """A BF16 weight, [N, K] or an expert stack [E, N, K], whose bytes are in the r16 layout (r16_pack), as the
+    linear and fused MoE kernels read it; the row-major values on demand (dequantize, [e]) for the reference
+    paths."""
+
+    w: torch.Tensor  # bfloat16 [E?, N, K], r16 bytes
 
     format = "dense"
 
@@ -312,15 +327,19 @@ class R16Experts:
         return self.w.nbytes
 
     def __getitem__(self, e) -> DenseWeight:
-        return DenseWeight(r16_unpack(self.w[e]))
+        return DenseWeight(r16_unpack(self.w[e]) if self.w.dim() == 3 else r16_unpack(self.w)[e])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return r16_unpack(self.w).to(dtype)
 
 
 def _r16_in_place(w: torch.Tensor) -> None:
-    """w (contiguous bf16 [E, N, K]) repacked into r16 in its own storage, one expert at a time (no second
-    copy of the stack)."""
+    """w (contiguous bf16 [E?, N, K]) repacked into r16 in its own storage, one expert (or 1024 rows of a
+    linear) at a time: no second copy of the whole weight."""
+    if w.dim() == 2:
+        for r in range(0, w.shape[0], 1024):
+            w[r:r + 1024].copy_(r16_pack(w[r:r + 1024]))
+        return
     for e in range(w.shape[0]):
         w[e].copy_(r16_pack(w[e]))
 
@@ -329,7 +348,7 @@ def _pack(weight) -> tuple | None:
     """The kernel arguments for a weight, or None when the kernels do not take its format."""
     if isinstance(weight, Packed):
         return weight.args
-    if isinstance(weight, R16Experts):
+    if isinstance(weight, R16Weight):
         return (R16_ID, weight.w, weight.shape[-2], weight.shape[-1], _EMPTY, _EMPTY, 0, 1)
     n, k = weight.shape[-2], weight.shape[-1]
     if isinstance(weight, DenseWeight):
@@ -388,8 +407,9 @@ def _huge_copy(t: torch.Tensor) -> torch.Tensor:
 def prepare(weight, in_place: bool = False, layout: str | None = None):
     """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
 
-    A BF16 expert stack (3-D) takes the layout cpu_bf16_expert_layout resolves to (bf16_expert_layout), or
-    `layout` (rows | r16: tests, suites), r16 where r16_fits: repacked in a copy, or with `in_place` in the
+    A BF16 expert stack (3-D) takes the layout cpu_bf16_expert_layout resolves to (bf16_expert_layout), a
+    BF16 linear cpu_bf16_linear_layout's (bf16_linear_layout), or either `layout` (rows | r16: tests,
+    suites), r16 where r16_fits: repacked in a copy, or with `in_place` in the
     storage it (or its huge-page copy) has, which the caller then must not read as row-major again
     (prepare_weights: the engine's loaded weights).
 
@@ -411,12 +431,13 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
     w = args[1]
     if layout not in (None, "rows", "r16"):
         raise ValueError(f"layout {layout!r}: expected rows or r16")
-    if args[0] == FORMAT_IDS["bf16"] and r16_fits(w.shape) and (layout or bf16_expert_layout()) == "r16":
+    wanted = layout or (bf16_expert_layout() if w.dim() == 3 else bf16_linear_layout())
+    if args[0] == FORMAT_IDS["bf16"] and r16_fits(w.shape) and wanted == "r16":
         if in_place and w.data_ptr() == weight.w.data_ptr():
             _r16_in_place(w)
         else:
             w = _huge_copy(r16_pack(w)) if _knobs["cpu_huge_pages"] and w.nbytes >= HUGE_MIN_BYTES else r16_pack(w)
-        weight = R16Experts(w)
+        weight = R16Weight(w)
         args = _pack(weight)
     return Packed(weight, args)
 

@@ -2,7 +2,7 @@
 //
 // Every weight is row-major [N, K] (N output rows, K inputs), the layout the checkpoint stores, so
 // "repacking" at load is only making tensors contiguous and precomputing scales; the one exception is a
-// BF16 expert stack taking the r16 layout (kBF16R16 below, micro_r16.cpp). A kernel reads 32
+// BF16 weight taking the r16 layout (kBF16R16 below, micro_r16.cpp). A kernel reads 32
 // consecutive K elements of a row at a time and turns them into two float32 vectors (or one int16
 // vector for INT8), the conversion happening in registers.
 #pragma once
@@ -30,7 +30,8 @@ enum Format : int {
   kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kInt4i = 5, kFp8w = 6, kInt4b = 7,
   kInt8Dp = 8, kInt8DpModel = 9, kInt4bDp = 10, kInt4bDpModel = 11, kBF16Dp = 12, kBF16DpModel = 13,
   kFp8Dp = 14, kFp8DpModel = 15, kBF16s = 16, kInt8Mb = 17, kBF16y = 18,
-  // kBF16R16: a BF16 expert stack repacked at load (knob cpu_bf16_expert_layout=r16): every block of 16 rows
+  // kBF16R16: a BF16 expert stack or linear repacked at load (knobs cpu_bf16_expert_layout / _linear_layout =
+  // r16): every block of 16 rows
   // keeps the bytes those rows held, as [K/2][16] 32-bit bf16 pairs (pair p of the block's row r at
   // uint32 offset p·16 + r). N % 16 == 0, K even. Read only by the r16 sweep (micro_r16.cpp), never by a
   // GEMM path.

@@ -498,7 +498,8 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
 
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
                const Knobs& kn, bool parallel) {
-  const int64_t bn = ((kn.linear_block_n + kn.micro_rows - 1) / kn.micro_rows) * kn.micro_rows;
+  const int64_t unit = W.fmt == kBF16R16 ? 16 : kn.micro_rows;  // r16: tasks in whole 16-row blocks
+  const int64_t bn = ((kn.linear_block_n + unit - 1) / unit) * unit;
   const int64_t tiles = (W.N + bn - 1) / bn;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk) if (parallel && tiles > 1)
   for (int64_t t = 0; t < tiles; ++t) {
@@ -741,7 +742,6 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
                      const at::Tensor& scale, const at::Tensor& zero, int64_t group, int64_t block_n,
                      const Knobs& kn) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [T, ", K, "]");
-  TORCH_CHECK(fmt != kBF16R16, "linear: r16 is a layout of expert stacks only");
   kn.check();
   reset_used();
   WeightView W = make_weight(fmt, w, N, K, scale, zero, group, block_n, kn, x.scalar_type() == at::kBFloat16).base;
