@@ -50,7 +50,7 @@ _knobs = dict(KNOB_DEFAULTS)
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
 FORMAT_NAMES = {v: k for k, v in FORMAT_IDS.items()}
-# BF16 expert stacks in the r16 layout (csrc/common.h kBF16R16; knob cpu_bf16_expert_layout): the format
+# BF16 weights in the r16 layout (csrc/common.h kBF16R16; knobs cpu_bf16_expert_layout / _linear_layout): the format
 # is still bf16 for every table, record and profile; the call record's "isa" names the layout ("+r16")
 R16_ID = 19
 FORMAT_NAMES[R16_ID] = "bf16"
@@ -264,23 +264,26 @@ class Packed:
         return self.orig[e]
 
 
+def _swap_r16_axes(w: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Each 16-row block of a bf16 [..., N, K] with its (row, pair) axes swapped: rows → r16 (packed False),
+    r16 → rows (packed True)."""
+    *lead, n, k = w.shape
+    a, b = (k // 2, 16) if packed else (16, k // 2)
+    src = w.contiguous().view(torch.int32).view(*lead, n // 16, a, b)
+    out = torch.empty(*lead, n // 16, b, a, dtype=torch.int32)  # (not .contiguous(): K = 2 is "contiguous")
+    out.copy_(src.transpose(-1, -2))
+    return out.view(*lead, n, k // 2).view(torch.bfloat16)
+
+
 def r16_pack(w: torch.Tensor) -> torch.Tensor:
     """A bf16 [..., N, K] (N % 16 == 0, K even) in the r16 layout, same shape: each block of 16 rows holds
     [K/2][16] bf16 pairs (pair p of the block's row r at 32-bit offset p·16 + r), in the bytes the rows held."""
-    *lead, n, k = w.shape
-    pairs = w.contiguous().view(torch.int32).view(*lead, n // 16, 16, k // 2)
-    out = torch.empty(*lead, n // 16, k // 2, 16, dtype=torch.int32)  # (not .contiguous(): K = 2 is "contiguous")
-    out.copy_(pairs.transpose(-1, -2))
-    return out.view(*lead, n, k // 2).view(torch.bfloat16)
+    return _swap_r16_axes(w, packed=False)
 
 
 def r16_unpack(w: torch.Tensor) -> torch.Tensor:
     """The row-major bf16 [..., N, K] of an r16 tensor (r16_pack's inverse)."""
-    *lead, n, k = w.shape
-    blocks = w.contiguous().view(torch.int32).view(*lead, n // 16, k // 2, 16)
-    out = torch.empty(*lead, n // 16, 16, k // 2, dtype=torch.int32)
-    out.copy_(blocks.transpose(-1, -2))
-    return out.view(*lead, n, k // 2).view(torch.bfloat16)
+    return _swap_r16_axes(w, packed=True)
 
 
 def r16_fits(shape) -> bool:
@@ -443,8 +446,8 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
 
 
 def prepare_weights(weights: dict) -> dict:
-    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged). BF16 expert
-    stacks taking the r16 layout are repacked in their own storage, so the dict is consumed: each of its
+    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged). BF16 weights
+    taking the r16 layout are repacked in their own storage, so the dict is consumed: each of its
     weights is replaced by its wrapper there too, and a second engine built on the same dict (the tuner's
     trials share one load) finds them prepared instead of reading r16 bytes as rows."""
     for key, w in weights.items():

@@ -385,7 +385,7 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   WeightView Wn = Ws, Wq = Ws;
   Wn.prefetch_hint = kn.r16_next_prefetch;
   Wq.prefetch_hint = kPrefetchNone;
-  const int64_t blocks = (n1 - n0 + 15) / 16;
+  const int64_t blocks = (n1 - n0) / 16;
   for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
     const int rb = (int)std::min<int64_t>(RB, blocks - b0);
     const uint8_t* own = W.w + (n0 + 16 * b0) * W.row_bytes;
