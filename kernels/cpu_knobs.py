@@ -108,8 +108,21 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
          "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1",
          choices=("auto", "rows", "r16"), tune=False),
+    Knob("cpu_int8_expert_layout", str, "auto", "kernels/cpu",
+         "CPU kernels, INT8 expert stacks (fused MoE), chosen at load: rows (row-major, as the checkpoint) or r16 "
+         "(each 16 rows interleaved by 4-byte unit, repacked once in place, as cpu_bf16_expert_layout's: a tile "
+         "reads one contiguous line per 16 rows per step and multiplies each token's 4 activation bytes, broadcast, "
+         "into 16-row int32 accumulators on vpdpbusd, or vpmaddubsw without VNNI; every token count on it, no GEMM "
+         "path; the same result bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (AMX's GEMM path "
+         "takes row-major blocks), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
+         "multiple of 4 stays rows",
+         choices=("auto", "rows", "r16"), tune=False),
+    Knob("cpu_int8_linear_layout", str, "auto", "kernels/cpu",
+         "CPU kernels, INT8 linears, chosen at load: rows, or r16 (as cpu_int8_expert_layout; rows a multiple of "
+         "16, K of 4); auto: r16 where the CPU has AVX512-VNNI and no AMX",
+         choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_r16_rows", int, 32, "kernels/cpu",
-         "CPU linear and fused MoE on r16 weights (cpu_bf16_expert_layout, cpu_bf16_linear_layout), a sweep of "
+         "CPU linear and fused MoE on r16 weights (cpu_bf16_ / cpu_int8_ expert_layout and linear_layout), a sweep of "
          "one token group (decode): rows per register tile (16 per contiguous stream). AMD Zen 5 VM against "
          "row-major BF16 at T=1, 16 / 32 / 64: fused MoE `small` x1.13-1.17 / x1.07-1.11 / x1.03, linear "
          "[32000, 2048] x1.11 / x1.16 / x1.20, [11264, 2048] x1.13 / x1.36 (64: not measured)", choices=(16, 32, 64)),
@@ -289,7 +302,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
 )
 
 # read once at load (by prepare(), by the decode runner), not per call
-LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes", "cpu_bf16_expert_layout", "cpu_bf16_linear_layout")
+LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes", "cpu_bf16_expert_layout", "cpu_bf16_linear_layout",
+              "cpu_int8_expert_layout", "cpu_int8_linear_layout")
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the

@@ -275,18 +275,21 @@ def test_prepare_weights_wraps_formats_and_keeps_their_attributes():
     assert cpu.prepare(formats.DenseWeight(torch.randn(4, 4, dtype=torch.float16))).w.dtype == torch.float16
 
 
+ROWS_LAYOUTS = {"cpu_int8_expert_layout": "rows", "cpu_int8_linear_layout": "rows"}
+
+
 def test_huge_page_copy_is_aligned_and_equal_and_switchable():
     big = formats.quantize_int8_channel(torch.randn(4, 1024, 700))  # 2.7 MiB of int8: copied
     small = formats.quantize_int8_channel(torch.randn(64, 64))  # below one huge page: kept
-    try:
-        cpu.configure({"cpu_huge_pages": False})
+    try:  # the row-major layout (an r16 weight is always a copy, or repacked in place: its own test)
+        cpu.configure({"cpu_huge_pages": False, **ROWS_LAYOUTS})
         assert cpu.prepare(big).args[1].data_ptr() == big.w.data_ptr()  # off: no copy
     finally:
-        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_huge_pages", *ROWS_LAYOUTS)})
     w2 = formats.quantize_int8_channel(torch.randn(4, 700, 1024))
     fp8 = formats.quantize_fp8_block(torch.randn(2048, 1100))  # the float8 bytes, 2.1 MiB
     try:
-        cpu.configure({"cpu_huge_pages": True})
+        cpu.configure({"cpu_huge_pages": True, **ROWS_LAYOUTS})
         p = cpu.prepare(big)
         assert p.args[1].data_ptr() % (2 << 20) == 0 and p.args[1].data_ptr() != big.w.data_ptr()
         assert torch.equal(p.orig.w, big.w) and p.orig.w.dtype == torch.int8 and p.orig.scale is big.scale
@@ -298,8 +301,10 @@ def test_huge_page_copy_is_aligned_and_equal_and_switchable():
         assert pf.orig.w.dtype == torch.float8_e4m3fn and pf.args[1].data_ptr() % (2 << 20) == 0
         xf = torch.randn(2, 1100)
         check(cpu.linear(xf, pf), reference.linear(xf, fp8), TIGHT, "fp8 from huge pages")
+        r = cpu.prepare(big, layout="r16")  # the r16 copy in huge pages too
+        assert r.args[1].data_ptr() % (2 << 20) == 0 and torch.equal(r.orig.rows().w, big.w)
     finally:
-        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_huge_pages", *ROWS_LAYOUTS)})
 
 
 def _fp8_every_byte():
@@ -831,3 +836,153 @@ def test_r16_linear_layout_resolution():
             assert cpu.bf16_expert_layout() == "rows"
     finally:
         cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_linear_layout", "cpu_bf16_expert_layout")})
+
+
+# ------------------------------------------------------------------ INT8 weights in the r16 layout
+
+VNNI_NATIVE = "avx512_vnni" in cpu.features()
+# rows forced onto the microkernels (no GEMM path), the row-major result each r16 policy must give bit for bit
+ROWS_MICRO = {"cpu_dot_gemm_min_tokens": 1 << 20, "cpu_gemm_min_tokens": 1 << 20, "cpu_amx_min_tokens": 1 << 20}
+# (int8_isa, features emulated, the r16 call's isa): vpdpbusd's model, vpmaddubsw (also where int8_isa asks for
+# the int16 form, which r16 lacks), and the instruction where the CPU has it
+INT8_R16_POLICIES = [("vnni", ["avx512_vnni"], "vnni-model+r16"), ("maddubs", [], "maddubs+r16"),
+                     ("avx512", [], "maddubs+r16")] + ([("vnni", [], "vnni+r16")] if VNNI_NATIVE else [])
+
+
+def int8_r16_moe(case: str, layout13: str = "r16", layout2: str = "r16"):
+    t, e, d, i, k, pool = R16_CASES[case]
+    w13, w2 = moe_weights(e, d, i, "int8", seed=t + e)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(11))
+    return (cpu.prepare(w13, layout=layout13), cpu.prepare(w2, layout=layout2), w13, w2, x, tw, ids)
+
+
+def test_int8_r16_pack_is_the_documented_layout_and_unpacks():
+    w = torch.randint(-127, 128, (2, 32, 12), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    r = cpu.r16_pack(w)
+    assert r.shape == w.shape and r.dtype == torch.int8
+    flat = r.view(torch.int32).view(2, -1)  # per expert: block b, unit u, row r at b·16·3 + u·16 + r
+    unit = w.view(torch.int32).view(2, 32, 3)  # unit u (4 int8) of row n
+    for e, n, u in ((0, 0, 0), (0, 17, 2), (1, 31, 1), (1, 5, 0)):
+        assert flat[e, (n // 16) * 48 + u * 16 + n % 16] == unit[e, n, u]
+    assert torch.equal(cpu.r16_unpack(r), w)
+    i8 = torch.int8
+    assert cpu.r16_fits((4, 64, 4), i8) and not cpu.r16_fits((4, 64, 6), i8) and not cpu.r16_fits((4, 48, 8), i8)
+    assert cpu.r16_fits((48, 8), i8) and not cpu.r16_fits((40, 8), i8) and not cpu.r16_fits((48, 10), i8)
+    assert cpu.r16_fits((48, 10))  # bf16: pairs
+
+
+@pytest.mark.parametrize("case", sorted(R16_CASES))
+def test_int8_r16_fused_moe_equals_the_row_major_kernel_bitwise(case):
+    """The integer sums are exact and the scales applied in micro_int8_dp's order, so every policy on r16
+    gives the row-major microkernels' bits (and those match the w8a8 reference within TIGHT)."""
+    p13, p2, w13, w2, x, tw, ids = int8_r16_moe(case)
+    assert p13.args[0] == p2.args[0] == cpu.I8R16_ID and isinstance(p13.orig, cpu.Int8R16Weight)
+    r13, r2 = cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows")
+    assert r13.args[0] == cpu.FORMAT_IDS["int8"]
+    want = cpu.fused_moe(x, r13, r2, tw, ids, knobs=ROWS_MICRO)
+    check(want, reference.fused_moe(x, w13, w2, tw, ids), TIGHT, f"rows {case}")
+    for isa, emulated, used in INT8_R16_POLICIES:
+        for xa in (x, x.to(torch.bfloat16)):
+            with cpu.emulate(emulated), cpu.recording() as rec:
+                got = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={"cpu_int8_isa": isa})
+            assert rec[-1]["isa"] == used and rec[-1]["format"] == "int8", rec[-1]
+            ref = want if xa.dtype == torch.float32 else cpu.fused_moe(xa, r13, r2, tw, ids, knobs=ROWS_MICRO)
+            assert torch.equal(got, ref), (case, isa, emulated, xa.dtype)
+
+
+@pytest.mark.parametrize("layouts", [("r16", "rows"), ("rows", "r16")])
+def test_int8_r16_one_stack_in_each_layout(layouts):
+    p13, p2, w13, w2, x, tw, ids = int8_r16_moe("odd_t13", *layouts)
+    assert {p13.args[0], p2.args[0]} == {cpu.I8R16_ID, cpu.FORMAT_IDS["int8"]}
+    with cpu.recording() as rec:
+        got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=ROWS_MICRO)
+    assert rec[-1]["isa"].endswith("+r16")
+    rows = cpu.fused_moe(x, cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows"), tw, ids, knobs=ROWS_MICRO)
+    assert torch.equal(got, rows)
+
+
+def test_int8_r16_knobs_change_no_result_bitwise():
+    for case in ("t40_few_experts", "all_on_one", "t1"):
+        p13, p2, _, _, x, tw, ids = int8_r16_moe(case)
+        want = cpu.fused_moe(x, p13, p2, tw, ids)
+        for name, value in R16_KNOBS + [("cpu_dot_gemm_min_tokens", 1), ("cpu_gemm_min_tokens", 1)]:
+            with cpu.recording() as rec:
+                got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={name: value})
+            assert rec[-1]["knobs"][name] == value and "+r16" in rec[-1]["isa"]
+            assert torch.equal(got, want), (case, name, value)
+
+
+# (T, N, K): one block, odd token counts around the tile widths, a long prompt, the shortest rows (one unit)
+INT8_R16_LINEAR = {"one_block": (3, 16, 64), "t1": (1, 256, 512), "t13": (13, 48, 1000), "t37": (37, 96, 132),
+                   "t300": (300, 64, 256), "k4": (5, 32, 4)}
+
+
+@pytest.mark.parametrize("case", sorted(INT8_R16_LINEAR))
+def test_int8_r16_linear_equals_the_row_major_kernel_bitwise(case):
+    t, n, k = INT8_R16_LINEAR[case]
+    g = torch.Generator().manual_seed(n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "int8")
+    p = cpu.prepare(w, layout="r16")
+    assert p.args[0] == cpu.I8R16_ID and torch.equal(p.dequantize(), w.dequantize())
+    x = torch.randn(t, k, generator=g)
+    want = cpu.linear(x, cpu.prepare(w, layout="rows"), knobs=ROWS_MICRO)
+    assert torch.equal(want, reference.linear(x, w))  # w8a8: exact sums, the reference's scaling order
+    for isa, emulated, used in INT8_R16_POLICIES:
+        with cpu.emulate(emulated), cpu.recording() as rec:
+            got = cpu.linear(x, p, knobs={"cpu_int8_isa": isa})
+        assert rec[-1]["isa"] == used, rec[-1]
+        assert torch.equal(got, want), (case, isa, emulated)
+    for name, value in R16_KNOBS + [("cpu_linear_block_n", 16), ("cpu_linear_block_n", 1)]:
+        assert torch.equal(cpu.linear(x, p, knobs={name: value}), want), (case, name, value)
+    # a call the kernels do not take (float16 rows) reaches the reference with the row-major weight: still w8a8
+    xh = x.to(torch.float16)
+    assert torch.equal(cpu.linear(xh, p), reference.linear(xh, w))
+
+
+def test_int8_r16_layout_resolution_and_prepare():
+    w13, _ = moe_weights(4, 64, 32, "int8")
+    lin = make_weight(torch.randn(64, 64), "int8")
+    names = ("cpu_int8_expert_layout", "cpu_int8_linear_layout", "cpu_huge_pages")
+    try:
+        for value, mask, want in (("rows", {"avx512_vnni"}, cpu.FORMAT_IDS["int8"]), ("r16", set(), cpu.I8R16_ID),
+                                  ("auto", set(), cpu.FORMAT_IDS["int8"])):
+            cpu.configure({"cpu_int8_expert_layout": value, "cpu_int8_linear_layout": value})
+            with cpu.feature_mask(mask):
+                assert cpu.prepare(w13).args[0] == want and cpu.prepare(lin).args[0] == want, (value, mask)
+        cpu.configure({"cpu_int8_expert_layout": "auto", "cpu_int8_linear_layout": "rows"})
+        with cpu.feature_mask({"avx512_vnni"}):  # auto: r16 where AVX512-VNNI runs and AMX does not
+            assert cpu.int8_expert_layout() == ("r16" if VNNI_NATIVE else "rows")
+            assert cpu.int8_linear_layout() == "rows"  # the two knobs are apart
+            assert cpu.bf16_expert_layout() == "rows"  # and apart from BF16's (no AVX512-BF16 under this mask)
+        with cpu.feature_mask({"avx512_vnni", "amx"}):
+            if "amx" in cpu.features():
+                assert cpu.int8_expert_layout() == "rows"
+        # the engine's dict: repacked in the weight's own storage, the row sums taken before
+        cpu.configure({"cpu_int8_expert_layout": "r16", "cpu_huge_pages": False})
+        src = w13.w.clone()
+        mine = formats.Int8ChannelWeight(src.clone(), w13.scale)
+        loaded = {"layers.0.experts.w13": mine}
+        packed = cpu.prepare_weights(loaded)["layers.0.experts.w13"]
+        assert packed.args[1].data_ptr() == mine.w.data_ptr() and torch.equal(packed.args[1], cpu.r16_pack(src))
+        assert torch.equal(packed.args[5], src.sum(-1, dtype=torch.int32))
+        assert loaded["layers.0.experts.w13"] is packed and cpu.prepare_weights(loaded)["layers.0.experts.w13"] is packed
+        assert torch.equal(packed[1].w, src[1]) and torch.equal(packed.dequantize(), w13.dequantize())
+    finally:
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in names})
+    odd = formats.quantize_int8_channel(torch.randn(4, 64, 66))  # K = 66: not whole units of 4
+    assert cpu.prepare(odd, layout="r16").args[0] == cpu.FORMAT_IDS["int8"]
+    assert cpu.prepare(make_weight(torch.randn(40, 64), "int8"), layout="r16").args[0] == cpu.FORMAT_IDS["int8"]
+
+
+def test_int8_r16_refuses_bad_shapes_and_a_format_mix():
+    with pytest.raises(RuntimeError, match="int8 r16 needs rows in whole blocks of 16, K a multiple of 4"):
+        cpu._ext.linear(torch.randn(2, 66), cpu.I8R16_ID, torch.zeros(32, 66, dtype=torch.int8), 32, 66,
+                        torch.ones(32), torch.zeros(32, dtype=torch.int32), 0, 1, cpu.make_knobs())
+    p13, p2, *_ = int8_r16_moe("regular")
+    b13, b2, *_ = r16_moe("regular")
+    assert cpu.moe_formats_match(p13.args[0], cpu.FORMAT_IDS["int8"]) and not cpu.moe_formats_match(p13.args[0], b2.args[0])
+    with pytest.raises(RuntimeError, match="different formats"):
+        cpu._ext.fused_moe(torch.randn(2, 256), p13.args[0], p13.args[1], p13.args[4], p13.args[5], b2.args[0],
+                           b2.args[1], b2.args[4], b2.args[5], 128, 0, 1, torch.ones(2, 2),
+                           torch.zeros(2, 2, dtype=torch.long), cpu.make_knobs())

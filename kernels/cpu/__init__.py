@@ -6,9 +6,10 @@ Weights: every format of kernels.formats (dense float32/bfloat16, INT8-channel, 
 INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wraps each weight
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
-BF16 expert stacks and linears may instead be repacked once into the r16 layout (16 rows interleaved by
-bf16 pair, `R16Weight`; knobs cpu_bf16_expert_layout, cpu_bf16_linear_layout), which only the fused MoE and
-linear kernels read (on every token count: no GEMM path reads it).
+BF16 and INT8 expert stacks and linears may instead be repacked once into the r16 layout (16 rows interleaved
+by 4-byte unit: a bf16 pair, 4 int8; `R16Weight`, `Int8R16Weight`; knobs cpu_bf16_expert_layout,
+cpu_bf16_linear_layout, cpu_int8_expert_layout, cpu_int8_linear_layout), which only the fused MoE and linear
+kernels read (on every token count: no GEMM path reads it).
 
 Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
 one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
@@ -55,6 +56,10 @@ FORMAT_NAMES = {v: k for k, v in FORMAT_IDS.items()}
 R16_ID = 19
 FORMAT_NAMES[R16_ID] = "bf16"
 BF16_IDS = (FORMAT_IDS["bf16"], R16_ID)
+# INT8 weights in r16 (kInt8R16; knobs cpu_int8_expert_layout / _linear_layout): still int8 everywhere but "isa"
+I8R16_ID = 20
+FORMAT_NAMES[I8R16_ID] = "int8"
+INT8_IDS = (FORMAT_IDS["int8"], I8R16_ID)
 _EMPTY = torch.empty(0)
 
 # ---------------------------------------------------------------- knobs: the named struct
@@ -265,31 +270,35 @@ class Packed:
 
 
 def _swap_r16_axes(w: torch.Tensor, packed: bool) -> torch.Tensor:
-    """Each 16-row block of a bf16 [..., N, K] with its (row, pair) axes swapped: rows → r16 (packed False),
-    r16 → rows (packed True)."""
+    """Each 16-row block of a bf16 or int8 [..., N, K] with its (row, 4-byte unit) axes swapped: rows → r16
+    (packed False), r16 → rows (packed True)."""
     *lead, n, k = w.shape
-    a, b = (k // 2, 16) if packed else (16, k // 2)
+    u = k * w.element_size() // 4  # 4-byte units per row: bf16 pairs, int8 quads
+    a, b = (u, 16) if packed else (16, u)
     src = w.contiguous().view(torch.int32).view(*lead, n // 16, a, b)
-    out = torch.empty(*lead, n // 16, b, a, dtype=torch.int32)  # (not .contiguous(): K = 2 is "contiguous")
+    out = torch.empty(*lead, n // 16, b, a, dtype=torch.int32)  # (not .contiguous(): one unit is "contiguous")
     out.copy_(src.transpose(-1, -2))
-    return out.view(*lead, n, k // 2).view(torch.bfloat16)
+    return out.view(*lead, n, u).view(w.dtype)
 
 
 def r16_pack(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 [..., N, K] (N % 16 == 0, K even) in the r16 layout, same shape: each block of 16 rows holds
-    [K/2][16] bf16 pairs (pair p of the block's row r at 32-bit offset p·16 + r), in the bytes the rows held."""
+    """A bf16 [..., N, K] (N % 16 == 0, K even) or int8 one (K % 4 == 0) in the r16 layout, same shape: each block
+    of 16 rows holds [units][16] 4-byte units (bf16 pairs, int8 quads; unit u of the block's row r at 32-bit
+    offset u·16 + r), in the bytes the rows held."""
     return _swap_r16_axes(w, packed=False)
 
 
 def r16_unpack(w: torch.Tensor) -> torch.Tensor:
-    """The row-major bf16 [..., N, K] of an r16 tensor (r16_pack's inverse)."""
+    """The row-major [..., N, K] of an r16 tensor (r16_pack's inverse)."""
     return _swap_r16_axes(w, packed=True)
 
 
-def r16_fits(shape) -> bool:
-    """Whether a BF16 weight of this shape can take the r16 layout: an even K, and rows in whole 16s (a linear)
-    or 32s (an expert stack, so that gate|up's halves each start a 16-row block)."""
-    return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and shape[-1] % 2 == 0
+def r16_fits(shape, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a BF16 (or INT8: dtype int8) weight of this shape can take the r16 layout: K in whole 4-byte units
+    (even for bf16, a multiple of 4 for int8), and rows in whole 16s (a linear) or 32s (an expert stack, so
+    that gate|up's halves each start a 16-row block)."""
+    per_unit = 4 if dtype == torch.int8 else 2
+    return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and shape[-1] % per_unit == 0
 
 
 def _r16_auto(knob: str) -> str:
@@ -297,7 +306,8 @@ def _r16_auto(knob: str) -> str:
     if v != "auto":
         return v
     have = features()
-    return "r16" if "avx512_bf16" in have and "amx" not in have else "rows"
+    need = "avx512_vnni" if knob.startswith("cpu_int8_") else "avx512_bf16"
+    return "r16" if need in have and "amx" not in have else "rows"
 
 
 def bf16_expert_layout() -> str:
@@ -309,6 +319,16 @@ def bf16_expert_layout() -> str:
 def bf16_linear_layout() -> str:
     """What cpu_bf16_linear_layout resolves to here (auto: as bf16_expert_layout)."""
     return _r16_auto("cpu_bf16_linear_layout")
+
+
+def int8_expert_layout() -> str:
+    """What cpu_int8_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-VNNI and no AMX."""
+    return _r16_auto("cpu_int8_expert_layout")
+
+
+def int8_linear_layout() -> str:
+    """What cpu_int8_linear_layout resolves to here (auto: as int8_expert_layout)."""
+    return _r16_auto("cpu_int8_linear_layout")
 
 
 @dataclass
@@ -336,8 +356,40 @@ class R16Weight:
         return r16_unpack(self.w).to(dtype)
 
 
+@dataclass
+class Int8R16Weight:
+    """An INT8-channel weight, [N, K] or [E, N, K], whose integers are in the r16 layout (r16_pack), with its
+    row scales and row sums Σw (the VNNI kernels' +128 compensation, taken before the repack); the row-major
+    Int8ChannelWeight on demand ([e], dequantize) for the reference paths."""
+
+    w: torch.Tensor  # int8 [E?, N, K], r16 bytes
+    scale: torch.Tensor  # float32 [E?, N]
+    wsum: torch.Tensor  # int32 [E?, N]
+
+    format = "int8_channel"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.scale.nbytes
+
+    def rows(self) -> Int8ChannelWeight:
+        return Int8ChannelWeight(r16_unpack(self.w), self.scale)
+
+    def __getitem__(self, e) -> Int8ChannelWeight:
+        if self.w.dim() == 3:
+            return Int8ChannelWeight(r16_unpack(self.w[e]), self.scale[e])
+        return self.rows()[e]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows().dequantize(dtype)
+
+
 def _r16_in_place(w: torch.Tensor) -> None:
-    """w (contiguous bf16 [E?, N, K]) repacked into r16 in its own storage, one expert (or 1024 rows of a
+    """w (contiguous bf16 or int8 [E?, N, K]) repacked into r16 in its own storage, one expert (or 1024 rows of a
     linear) at a time: no second copy of the whole weight."""
     if w.dim() == 2:
         for r in range(0, w.shape[0], 1024):
@@ -353,6 +405,8 @@ def _pack(weight) -> tuple | None:
         return weight.args
     if isinstance(weight, R16Weight):
         return (R16_ID, weight.w, weight.shape[-2], weight.shape[-1], _EMPTY, _EMPTY, 0, 1)
+    if isinstance(weight, Int8R16Weight):
+        return (I8R16_ID, weight.w, weight.shape[-2], weight.shape[-1], weight.scale, weight.wsum, 0, 1)
     n, k = weight.shape[-2], weight.shape[-1]
     if isinstance(weight, DenseWeight):
         fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.w.dtype)
@@ -411,10 +465,10 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
     """Wrap one weight for the kernels (once, at load); formats they do not take pass unchanged.
 
     A BF16 expert stack (3-D) takes the layout cpu_bf16_expert_layout resolves to (bf16_expert_layout), a
-    BF16 linear cpu_bf16_linear_layout's (bf16_linear_layout), or either `layout` (rows | r16: tests,
-    suites), r16 where r16_fits: repacked in a copy, or with `in_place` in the
-    storage it (or its huge-page copy) has, which the caller then must not read as row-major again
-    (prepare_weights: the engine's loaded weights).
+    BF16 linear cpu_bf16_linear_layout's (bf16_linear_layout), INT8 ones cpu_int8_expert_layout's and
+    cpu_int8_linear_layout's, or any `layout` (rows | r16: tests, suites), r16 where r16_fits: repacked in
+    a copy, or with `in_place` in the storage it (or its huge-page copy) has, which the caller then must
+    not read as row-major again (prepare_weights: the engine's loaded weights).
 
     With cpu_huge_pages (on by default) a weight of at least 2 MiB not already in huge-page storage
     (the engine's loader places it there: kernels.cpu.weight_empty) is first copied into memory advised
@@ -434,20 +488,25 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
     w = args[1]
     if layout not in (None, "rows", "r16"):
         raise ValueError(f"layout {layout!r}: expected rows or r16")
-    wanted = layout or (bf16_expert_layout() if w.dim() == 3 else bf16_linear_layout())
-    if args[0] == FORMAT_IDS["bf16"] and r16_fits(w.shape) and wanted == "r16":
+    int8 = args[0] == FORMAT_IDS["int8"]
+    if int8:
+        wanted = layout or (int8_expert_layout() if w.dim() == 3 else int8_linear_layout())
+    else:
+        wanted = layout or (bf16_expert_layout() if w.dim() == 3 else bf16_linear_layout())
+    if args[0] in (FORMAT_IDS["bf16"], FORMAT_IDS["int8"]) and r16_fits(w.shape, w.dtype) and wanted == "r16":
         if in_place and w.data_ptr() == weight.w.data_ptr():
             _r16_in_place(w)
         else:
             w = _huge_copy(r16_pack(w)) if _knobs["cpu_huge_pages"] and w.nbytes >= HUGE_MIN_BYTES else r16_pack(w)
-        weight = R16Weight(w)
+        # INT8: the scales and row sums as _pack made them from the row-major integers
+        weight = Int8R16Weight(w, args[4], args[5]) if int8 else R16Weight(w)
         args = _pack(weight)
     return Packed(weight, args)
 
 
 def prepare_weights(weights: dict) -> dict:
-    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged). BF16 weights
-    taking the r16 layout are repacked in their own storage, so the dict is consumed: each of its
+    """The engine's weight dict with every kernel-ready weight wrapped (tensors pass unchanged). BF16 and INT8
+    weights taking the r16 layout are repacked in their own storage, so the dict is consumed: each of its
     weights is replaced by its wrapper there too, and a second engine built on the same dict (the tuner's
     trials share one load) finds them prepared instead of reading r16 bytes as rows."""
     for key, w in weights.items():
@@ -457,7 +516,10 @@ def prepare_weights(weights: dict) -> dict:
 
 
 def _orig(weight):
-    return weight.orig if isinstance(weight, Packed) else weight
+    """The weight as kernels.reference takes it (an INT8 r16 weight: its row-major Int8ChannelWeight, so the
+    reference keeps its w8a8 products)."""
+    w = weight.orig if isinstance(weight, Packed) else weight
+    return w.rows() if isinstance(w, Int8R16Weight) else w
 
 
 # ---------------------------------------------------------------- ops
@@ -484,9 +546,9 @@ def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:
 
 
 def moe_formats_match(f13: int, f2: int) -> bool:
-    """Whether the fused MoE kernel takes these two stacks' format ids together: one format, or BF16 in
-    either layout each (each stack takes r16 by its own shape)."""
-    return f13 == f2 or (f13 in BF16_IDS and f2 in BF16_IDS)
+    """Whether the fused MoE kernel takes these two stacks' format ids together: one format, in either layout
+    each (BF16, INT8: each stack takes r16 by its own shape)."""
+    return f13 == f2 or (f13 in BF16_IDS and f2 in BF16_IDS) or (f13 in INT8_IDS and f2 in INT8_IDS)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, knobs: dict | None = None) -> torch.Tensor:

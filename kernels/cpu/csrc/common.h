@@ -2,7 +2,7 @@
 //
 // Every weight is row-major [N, K] (N output rows, K inputs), the layout the checkpoint stores, so
 // "repacking" at load is only making tensors contiguous and precomputing scales; the one exception is a
-// BF16 weight taking the r16 layout (kBF16R16 below, micro_r16.cpp). A kernel reads 32
+// BF16 or INT8 weight taking the r16 layout (kBF16R16 / kInt8R16 below, micro_r16.cpp). A kernel reads 32
 // consecutive K elements of a row at a time and turns them into two float32 vectors (or one int16
 // vector for INT8), the conversion happening in registers.
 #pragma once
@@ -36,7 +36,15 @@ enum Format : int {
   // uint32 offset p·16 + r). N % 16 == 0, K even. Read only by the r16 sweep (micro_r16.cpp), never by a
   // GEMM path.
   kBF16R16 = 19,
+  // kInt8R16: an INT8 expert stack or linear in the same block form (knobs cpu_int8_expert_layout /
+  // _linear_layout = r16): every block of 16 rows as [K/4][16] 32-bit units of 4 int8 weights (unit u of the
+  // block's row r at uint32 offset u·16 + r), the per-row scales and Σw as for kInt8. N % 16 == 0, K % 4 == 0.
+  // Read only by the r16 sweep, on vpdpbusd, its C++ model, or vpmaddubsw with the sign trick.
+  kInt8R16 = 20,
 };
+// The two r16 formats (the r16 sweep's), and each one's row-major format
+inline bool is_r16(int fmt) { return fmt == kBF16R16 || fmt == kInt8R16; }
+inline int rows_format(int fmt) { return fmt == kBF16R16 ? kBF16 : fmt == kInt8R16 ? kInt8 : fmt; }
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or
@@ -96,7 +104,7 @@ struct WeightView {
   int64_t N = 0, K = 0;
   const float* scale = nullptr;  // int8: [N]; fp8: [ceil(N/bn), G]; int4: [N, G]
   const float* zero = nullptr;   // int4: [N, G] zero point in quantized units
-  const int32_t* wsum = nullptr; // int8: [N] Σ_k w[n, k] (the VNNI kernels' +128 compensation)
+  const int32_t* wsum = nullptr; // int8 (either layout): [N] Σ_k w[n, k] (the VNNI kernels' +128 compensation)
   int64_t scale_ld = 0;          // row stride of scale/zero
   int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row
   int block_n = 1;               // fp8: rows per scale block

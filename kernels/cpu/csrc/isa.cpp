@@ -125,7 +125,7 @@ void note_micro(const WeightView& W) {
   t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
             : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs
             : W.bf16_ymm ? kUsedAvx2 : kUsedAvx512;
-  if (W.fmt == kBF16R16) t_used |= kUsedR16;  // the layout, beside the instruction
+  if (is_r16(W.fmt)) t_used |= kUsedR16;  // the layout, beside the instruction
 }
 
 std::string used_variants() {

@@ -46,7 +46,7 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 
 // ------------------------------------------------------------------ weights and knobs
 
-static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 || fmt == kBF16R16 ? 2 : 1; }
+static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 || fmt == kBF16R16 ? 2 : 1; }  // int8 r16: 1
 
 // Bytes ahead a microkernel's weight prefetch reads (knobs cpu_prefetch_ahead, cpu_prefill_prefetch_ahead): at
 // most a row; 0 or more than a row: the next tile's rows at the offset read.
@@ -79,7 +79,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   }
   // INT8: the zero slot carries the per-row weight sums (int32), the VNNI kernels' +128 compensation
   if (zero.defined() && zero.numel()) {
-    if (fmt == kInt8) {
+    if (fmt == kInt8 || fmt == kInt8R16) {
       TORCH_CHECK(zero.scalar_type() == at::kInt && zero.is_contiguous() && zero.numel() == scale.numel(),
                   "int8: the row sums must be contiguous int32 shaped like the scales");
       v.wsum = zero.data_ptr<int32_t>();
@@ -88,15 +88,19 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
     }
   }
   v.act_bf16 = act_bf16;
-  // r16: the BF16 dot product as for row-major BF16 weights (cpu_bf16_isa), else float32 FMAs (no split forms)
-  v.dot = resolve_dot(fmt == kBF16R16 ? kBF16 : (int)fmt, v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
+  // r16: the dot product as for the row-major weight (cpu_bf16_isa, cpu_int8_isa); without one, BF16 on float32
+  // FMAs (no split forms) and INT8 on vpmaddubsw (no int16 form)
+  v.dot = resolve_dot(rows_format((int)fmt), v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
+  if (fmt == kInt8R16 && v.dot == kDotNone) v.dot = kDotMaddubs;
   v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method != kBf16Widen;
   v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
   v.k_block = kn.k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
-  TORCH_CHECK(fmt != kInt8 || v.scale, "int8 needs scale");
+  TORCH_CHECK((fmt != kInt8 && fmt != kInt8R16) || v.scale, "int8 needs scale");
+  TORCH_CHECK(fmt != kInt8R16 || (N % 16 == 0 && K % 4 == 0 && w.size(-1) == K && v.wsum),
+              "int8 r16 needs rows in whole blocks of 16, K a multiple of 4 and the row sums");
   TORCH_CHECK(fmt != kBF16R16 || (N % 16 == 0 && K % 2 == 0 && w.size(-1) == K),
               "bf16 r16 needs rows in whole blocks of 16 and an even K");
   return s;
@@ -218,7 +222,7 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
                                 ActPool* pool) {
   PreparedAct p;
   const int64_t kp = padded_k(W);
-  if (W.fmt == kInt8) {
+  if (W.fmt == kInt8 || W.fmt == kInt8R16) {
     p.xq = act_buf(pool, 0, K, {M, kp}, at::kShort, kZeroOnce);
     p.xs = act_buf(pool, 1, K, {M}, at::kFloat, kUninit);
     int16_t* q = p.xq.data_ptr<int16_t>();
@@ -357,7 +361,7 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 
 // ------------------------------------------------------------------ direct path
 
-// The r16 form of micro_sweep (kBF16R16): rows [n0, n1) in whole 16-row blocks, the tokens in groups of
+// The r16 form of micro_sweep (kBF16R16, kInt8R16): rows [n0, n1) in whole 16-row blocks, the tokens in groups of
 // r16_tokens (the rest in one smaller group), each row tile of r16_rows (one group) or r16_prefill_rows
 // (several) running every group over all of K while its rows are in cache (the first group streams them from
 // memory, the later ones read them from L2). Prefetch as micro_sweep's: a sweep of several groups as
@@ -370,7 +374,9 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
   const int RB = (int)std::min<int64_t>((ng > 1 ? kn.r16_prefill_rows : kn.r16_rows) / 16,
                                         kR16MaxAcc / std::min<int64_t>(MT, M));
-  const int policy = W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
+  const bool int8 = W.fmt == kInt8R16;  // its policy: W.dot (make_weight: VNNI, its model or vpmaddubsw)
+  const int policy = int8 || W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
+  R16Fn (*pick)(int, int, int) = int8 ? get_micro_r16_int8 : get_micro_r16;
   WeightView Ws = W;
   if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
     Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;
@@ -393,7 +399,7 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
     for (int64_t m0 = 0, q = 0; m0 < M; m0 += MT, ++q) {
       const int mt = (int)std::min<int64_t>(MT, M - m0);
       const WeightView& Wv = q == 0 || !ahead ? Ws : q == 1 ? Wn : Wq;
-      get_micro_r16(policy, rb, mt)(Wv, n0 + 16 * b0, A, tok + m0, out + m0 * ldo + 16 * b0, ldo,
+      pick(policy, rb, mt)(Wv, n0 + 16 * b0, A, tok + m0, out + m0 * ldo + 16 * b0, ldo,
                                     q == 0 || !ahead ? own + Ws.prefetch_dist : nxt);
     }
   }
@@ -402,7 +408,7 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
 
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
-  if (W.fmt == kBF16R16) return r16_sweep(W, A, tok, M, n0, n1, out, ldo, kn);
+  if (is_r16(W.fmt)) return r16_sweep(W, A, tok, M, n0, n1, out, ldo, kn);
   const int R = (int)kn.micro_rows, MT = (int)kn.micro_tokens;
   const bool vnni = W.dot == kDotVnni || W.dot == kDotVnniModel, bf16dot = W.dot == kDotBf16 || W.dot == kDotBf16Model;
   const bool model = W.dot == kDotVnniModel || W.dot == kDotBf16Model;
@@ -498,7 +504,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
 
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
                const Knobs& kn, bool parallel) {
-  const int64_t unit = W.fmt == kBF16R16 ? 16 : kn.micro_rows;  // r16: tasks in whole 16-row blocks
+  const int64_t unit = is_r16(W.fmt) ? 16 : kn.micro_rows;  // r16: tasks in whole 16-row blocks
   const int64_t bn = ((kn.linear_block_n + unit - 1) / unit) * unit;
   const int64_t tiles = (W.N + bn - 1) / bn;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk) if (parallel && tiles > 1)
@@ -511,7 +517,7 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
 // ------------------------------------------------------------------ unpack + BLAS path
 
 void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
-  TORCH_CHECK(W.fmt != kBF16R16, "r16 weights have no GEMM path");
+  TORCH_CHECK(!is_r16(W.fmt), "r16 weights have no GEMM path");
   const int64_t K = W.K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = W.w + r * W.row_bytes;

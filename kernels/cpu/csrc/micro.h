@@ -66,6 +66,11 @@ using R16Fn = void (*)(const WeightView&, int64_t r0, const Act&, const int64_t*
                        const uint8_t* pf);
 // blocks 1..4, tokens 1..kR16MaxTokens, blocks · tokens ≤ kR16MaxAcc (the accumulators); nullptr otherwise
 R16Fn get_micro_r16(int policy, int blocks, int tokens);
+// The same tiles for INT8 weights in r16 (kInt8R16): per unit of 4 int8 one 64-byte load per block, each token's
+// 4 activation bytes (A.xu) broadcast; policy kDotVnni (vpdpbusd on x + 128, minus 128·Σw after), kDotVnniModel
+// (its C++ model) or kDotMaddubs (vpmaddubsw on |w| and x signed by w). The integer sums are exact, so the
+// result equals micro_int8_dp's on the row-major weight bit for bit: (float)Σ · x scale · row scale.
+R16Fn get_micro_r16_int8(int policy, int blocks, int tokens);
 
 // Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
 // spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).

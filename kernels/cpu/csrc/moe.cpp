@@ -139,12 +139,11 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   // bf16 activations: the down projection's input (SiLU·up) counts as bf16 too (the model's dtype)
   const bool act_bf16 = x.scalar_type() == at::kBFloat16;
   const StackedWeight W13 = make_weight(fmt, w13, 2 * I, D, s13, z13, group, block_n, kn, act_bf16);
-  // the two stacks in one format, except BF16's two layouts (each stack is repacked by its own shape)
-  const bool bf16s = (fmt == kBF16 || fmt == kBF16R16) && (fmt2 == kBF16 || fmt2 == kBF16R16);
-  TORCH_CHECK(fmt2 == fmt || bf16s, "fused_moe: w13 and w2 in different formats");
+  // the two stacks in one format, in either layout each (each stack is repacked by its own shape)
+  TORCH_CHECK(rows_format((int)fmt2) == rows_format((int)fmt), "fused_moe: w13 and w2 in different formats");
   const StackedWeight W2 = make_weight(fmt2, w2, D, I, s2, z2, group, block_n, kn, act_bf16);
-  TORCH_CHECK(fmt != kBF16R16 || I % 16 == 0, "fused_moe: r16 gate|up needs an intermediate size in whole 16-row blocks");
-  const bool r16 = fmt == kBF16R16 || fmt2 == kBF16R16;
+  TORCH_CHECK(!is_r16((int)fmt) || I % 16 == 0, "fused_moe: r16 gate|up needs an intermediate size in whole 16-row blocks");
+  const bool r16 = is_r16((int)fmt) || is_r16((int)fmt2);
   const Routing r = group_by_expert(topk_w.contiguous(), topk_ids.contiguous(), E);
   const int64_t P = T * topk_ids.size(1);
 
@@ -159,7 +158,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   if (small.empty()) xw.no_micro_forms(), hw.no_micro_forms();
   hw.fp8_widen &= !small.empty();
   if (!small.empty()) note_micro(W13.base);
-  if (fmt2 == kBF16R16) note_used(kUsedR16);
+  if (is_r16((int)fmt2)) note_used(kUsedR16);
   PreparedAct xa = prepare_act(x, xw);
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);

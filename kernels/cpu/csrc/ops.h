@@ -130,7 +130,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
 // any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
 // amx_min_tokens at the latest. r16 weights: never.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
-  if (W.fmt == kBF16R16) return INT64_MAX;  // r16: every token count on its sweep (no GEMM path reads it)
+  if (is_r16(W.fmt)) return INT64_MAX;  // r16: every token count on its sweep (no GEMM path reads it)
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
