@@ -192,7 +192,7 @@ def _calls(cpu, weight, g, out) -> None:
                         out[f"linear/{fmt}/{t}/{dt}/model"] = cpu.linear(x, w, knobs={
                             "cpu_int8_isa": "vnni", "cpu_bf16_isa": "avx512bf16", "cpu_int8_gemm": "vnni",
                             "cpu_bf16_gemm": "avx512bf16", "cpu_fp8_gemm": "avx512bf16", "cpu_unpack_gemm": "blas"})
-        if fmt == "int8":  # a linear in the r16 layout: vpmaddubsw, and vpdpbusd's model
+        if fmt in ("int8", "int4_g128"):  # a linear in the r16 layout: vpmaddubsw, and vpdpbusd's model
             r = cpu.prepare(weight(torch.randn(64, 1000, generator=g) * 0.05, fmt), layout="r16")
             for t in (1, 37):
                 x = torch.randn(t, 1000, generator=g)
@@ -225,7 +225,7 @@ def _calls(cpu, weight, g, out) -> None:
                                                                    knobs={"cpu_bf16_isa": "avx512bf16"})
             if fmt in ("int8", "int4_g128"):
                 out[f"moe/{fmt}/{t}/maddubs"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=maddubs)
-            if fmt == "int8":  # the r16 layout: vpmaddubsw, and vpdpbusd's model
+            if fmt in ("int8", "int4_g128"):  # the r16 layout: vpmaddubsw, and vpdpbusd's model
                 r13, r2 = cpu.prepare(w13.orig, layout="r16"), cpu.prepare(w2.orig, layout="r16")
                 out[f"moe/{fmt}/{t}/r16"] = cpu.fused_moe(xm, r13, r2, tw, ids, knobs={"cpu_int8_isa": "maddubs"})
                 with cpu.emulate(["avx512_vnni"]):

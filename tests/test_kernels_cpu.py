@@ -986,3 +986,118 @@ def test_int8_r16_refuses_bad_shapes_and_a_format_mix():
         cpu._ext.fused_moe(torch.randn(2, 256), p13.args[0], p13.args[1], p13.args[4], p13.args[5], b2.args[0],
                            b2.args[1], b2.args[4], b2.args[5], 128, 0, 1, torch.ones(2, 2),
                            torch.zeros(2, 2, dtype=torch.long), cpu.make_knobs())
+
+
+# ------------------------------------------------------------------ INT4 weights (groups of 128) in the r16 layout
+
+# (int8_isa, features emulated, the r16 call's isa), as INT8_R16_POLICIES: INT4 r16 runs the int8 method always
+INT4_R16_POLICIES = [("vnni", ["avx512_vnni"], "vnni-model+r16"), ("maddubs", [], "maddubs+r16"),
+                     ("avx512", [], "maddubs+r16")] + ([("vnni", [], "vnni+r16")] if VNNI_NATIVE else [])
+# the INT4 int8-method row-major microkernels, which r16 must match up to float32 summation order (per group
+# products in another order): a few ulps of the result
+INT4_ROWS = {**ROWS_MICRO, "cpu_int4_method": "int8"}
+INT4_R16_VS_ROWS = 2e-6
+
+
+def int4_r16_moe(case: str, symmetric: bool, layout13: str = "r16", layout2: str = "r16"):
+    t, e, d, i, k, pool = R16_CASES[case]
+    g = torch.Generator().manual_seed(t + e)
+    w13 = formats.quantize_int4_group(torch.randn(e, 2 * i, d, generator=g) * 0.05, 128, symmetric)
+    w2 = formats.quantize_int4_group(torch.randn(e, d, i, generator=g) * 0.05, 128, symmetric)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(11))
+    return (cpu.prepare(w13, layout=layout13), cpu.prepare(w2, layout=layout2), w13, w2, x, tw, ids)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("case", sorted(R16_CASES))
+def test_int4_r16_fused_moe_matches_the_reference_and_the_row_major_kernel(case, symmetric):
+    p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, symmetric)
+    assert p13.args[0] == p2.args[0] == cpu.I4R16_ID and isinstance(p13.orig, cpu.Int4R16Weight)
+    ref = reference.fused_moe(x, w13, w2, tw, ids)
+    rows = cpu.fused_moe(x, cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows"), tw, ids, knobs=INT4_ROWS)
+    first = None
+    for isa, emulated, used in INT4_R16_POLICIES:
+        with cpu.emulate(emulated), cpu.recording() as rec:
+            got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int8_isa": isa})
+        assert rec[-1]["isa"] == used and rec[-1]["format"] == "int4", rec[-1]
+        check(got, ref, INT4_INT8_MOE, f"int4 r16 {case} {isa} {emulated}")
+        check(got, rows, INT4_R16_VS_ROWS, f"int4 r16 vs rows {case} {isa}")
+        first = got if first is None else first
+        assert torch.equal(got, first), "exact integer sums per group: every policy gives the same bits"
+
+
+def test_int4_r16_knobs_change_no_result_bitwise_and_one_stack_in_each_layout():
+    """Each output sums its groups in order whatever the tile (a group's int32 sums are exact): every value of
+    every knob the sweep reads gives the same bits; so does cpu_int4_method (the layout has one method)."""
+    for case in ("t40_few_experts", "all_on_one", "t1"):
+        p13, p2, _, _, x, tw, ids = int4_r16_moe(case, symmetric=False)
+        want = cpu.fused_moe(x, p13, p2, tw, ids)
+        for name, value in R16_KNOBS + [("cpu_int4_method", "float"), ("cpu_int4_gemm", "unpack")]:
+            assert torch.equal(cpu.fused_moe(x, p13, p2, tw, ids, knobs={name: value}), want), (case, name, value)
+    p13, p2, w13, w2, x, tw, ids = int4_r16_moe("odd_t13", True, "r16", "rows")
+    assert (p13.args[0], p2.args[0]) == (cpu.I4R16_ID, cpu.FORMAT_IDS["int4"])
+    check(cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int4_method": "int8"}),
+          reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, "int4 r16 | rows")
+
+
+INT4_R16_LINEAR = {"one_block": (3, 16, 128), "t1": (1, 256, 512), "t13": (13, 48, 1000), "t37": (37, 96, 130),
+                   "t300": (300, 64, 256)}
+
+
+@pytest.mark.parametrize("case", sorted(INT4_R16_LINEAR))
+def test_int4_r16_linear_matches_the_reference_and_the_row_major_kernel(case):
+    t, n, k = INT4_R16_LINEAR[case]
+    g = torch.Generator().manual_seed(n + k)
+    w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, 128, symmetric=n % 32 == 0)
+    p = cpu.prepare(w, layout="r16")
+    assert p.args[0] == cpu.I4R16_ID and torch.equal(p.dequantize(), w.dequantize()) and p.shape == w.shape
+    x = torch.randn(t, k, generator=g)
+    ref = reference.linear(x, w)
+    rows = cpu.linear(x, cpu.prepare(w, layout="rows"), knobs=INT4_ROWS)
+    for isa, emulated, used in INT4_R16_POLICIES:
+        with cpu.emulate(emulated), cpu.recording() as rec:
+            got = cpu.linear(x, p, knobs={"cpu_int8_isa": isa})
+        assert rec[-1]["isa"] == used, rec[-1]
+        check(got, ref, INT4_INT8, f"int4 r16 linear {case} {isa}")
+        check(got, rows, INT4_R16_VS_ROWS, f"int4 r16 linear vs rows {case} {isa}")
+    for name, value in R16_KNOBS + [("cpu_linear_block_n", 16)]:
+        assert torch.equal(cpu.linear(x, p, knobs={name: value}), cpu.linear(x, p)), (case, name, value)
+    xh = x.to(torch.float16)  # not the kernels' dtype: the reference on the row-major weight
+    assert torch.equal(cpu.linear(xh, p), reference.linear(xh, w))
+
+
+def test_int4_r16_layout_resolution_prepare_and_refusals():
+    w13 = formats.quantize_int4_group(torch.randn(4, 64, 256) * 0.05, 128)
+    lin = formats.quantize_int4_group(torch.randn(64, 256) * 0.05, 128)
+    names = ("cpu_int4_expert_layout", "cpu_int4_linear_layout", "cpu_huge_pages")
+    assert cpu.KNOB_DEFAULTS["cpu_int4_linear_layout"] == "rows"  # measured slower as r16 (the knob's help)
+    try:
+        for value, mask, want in (("rows", {"avx512_vnni"}, cpu.FORMAT_IDS["int4"]), ("r16", set(), cpu.I4R16_ID),
+                                  ("auto", set(), cpu.FORMAT_IDS["int4"])):
+            cpu.configure({"cpu_int4_expert_layout": value, "cpu_int4_linear_layout": value})
+            with cpu.feature_mask(mask):
+                assert cpu.prepare(w13).args[0] == want and cpu.prepare(lin).args[0] == want, (value, mask)
+        cpu.configure({"cpu_int4_expert_layout": "auto"})
+        with cpu.feature_mask({"avx512_vnni", "amx"}):  # no AMX form of INT4: r16 wherever VNNI runs
+            assert cpu.int4_expert_layout() == ("r16" if VNNI_NATIVE else "rows")
+        cpu.configure({"cpu_int4_expert_layout": "r16", "cpu_huge_pages": False})
+        mine = formats.Int4GroupWeight(w13.packed.clone(), w13.scale, w13.zero, w13.k, w13.group)
+        loaded = {"layers.0.experts.w13": mine}
+        packed = cpu.prepare_weights(loaded)["layers.0.experts.w13"]
+        assert packed.args[1].data_ptr() == mine.packed.data_ptr()
+        assert torch.equal(packed.args[1], cpu.r16_pack(w13.packed)) and loaded["layers.0.experts.w13"] is packed
+        assert torch.equal(packed[3].packed, w13.packed[3]) and torch.equal(packed.dequantize(), w13.dequantize())
+        # the block scales: group g of a block's row r at g·16 + r
+        bs = packed.args[4].view(4, 64 // 16, -1)
+        assert bs[1, 2, 1 * 16 + 5] == w13.scale[1, 2 * 16 + 5, 1]
+    finally:
+        cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in names})
+    for group in (32, 64):  # the tiles take groups of 128 only
+        other = formats.quantize_int4_group(torch.randn(4, 64, 256), group)
+        assert cpu.prepare(other, layout="r16").args[0] == cpu.FORMAT_IDS["int4"]
+    with pytest.raises(RuntimeError, match="int4 r16 needs groups of 128"):
+        cpu._ext.linear(torch.randn(2, 256), cpu.I4R16_ID, torch.zeros(32, 128, dtype=torch.uint8), 32, 256,
+                        torch.ones(32, 4), torch.zeros(32, 4), 64, 1, cpu.make_knobs())
+    b13, *_ = r16_moe("regular")
+    assert not cpu.moe_formats_match(cpu.I4R16_ID, cpu.I8R16_ID) and not cpu.moe_formats_match(cpu.I4R16_ID, b13.args[0])

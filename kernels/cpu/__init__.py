@@ -60,6 +60,10 @@ BF16_IDS = (FORMAT_IDS["bf16"], R16_ID)
 I8R16_ID = 20
 FORMAT_NAMES[I8R16_ID] = "int8"
 INT8_IDS = (FORMAT_IDS["int8"], I8R16_ID)
+# INT4 (groups of 128) in r16 (kInt4R16; knobs cpu_int4_expert_layout / _linear_layout)
+I4R16_ID = 21
+FORMAT_NAMES[I4R16_ID] = "int4"
+INT4_IDS = (FORMAT_IDS["int4"], I4R16_ID)
 _EMPTY = torch.empty(0)
 
 # ---------------------------------------------------------------- knobs: the named struct
@@ -293,10 +297,12 @@ def r16_unpack(w: torch.Tensor) -> torch.Tensor:
     return _swap_r16_axes(w, packed=True)
 
 
-def r16_fits(shape, dtype: torch.dtype = torch.bfloat16) -> bool:
+def r16_fits(shape, dtype: torch.dtype = torch.bfloat16, group: int | None = None) -> bool:
     """Whether a BF16 (or INT8: dtype int8) weight of this shape can take the r16 layout: K in whole 4-byte units
     (even for bf16, a multiple of 4 for int8), and rows in whole 16s (a linear) or 32s (an expert stack, so
     that gate|up's halves each start a 16-row block)."""
+    if group is not None:  # INT4: groups of 128 (the tiles take one group per 16 units)
+        return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and group == 128
     per_unit = 4 if dtype == torch.int8 else 2
     return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and shape[-1] % per_unit == 0
 
@@ -306,6 +312,8 @@ def _r16_auto(knob: str) -> str:
     if v != "auto":
         return v
     have = features()
+    if knob.startswith("cpu_int4_"):  # no AMX form of INT4: r16 wherever VNNI runs
+        return "r16" if "avx512_vnni" in have else "rows"
     need = "avx512_vnni" if knob.startswith("cpu_int8_") else "avx512_bf16"
     return "r16" if need in have and "amx" not in have else "rows"
 
@@ -329,6 +337,23 @@ def int8_expert_layout() -> str:
 def int8_linear_layout() -> str:
     """What cpu_int8_linear_layout resolves to here (auto: as int8_expert_layout)."""
     return _r16_auto("cpu_int8_linear_layout")
+
+
+def int4_expert_layout() -> str:
+    """What cpu_int4_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-VNNI."""
+    return _r16_auto("cpu_int4_expert_layout")
+
+
+def int4_linear_layout() -> str:
+    """What cpu_int4_linear_layout resolves to here (auto: as int4_expert_layout)."""
+    return _r16_auto("cpu_int4_linear_layout")
+
+
+def _block_groups(t: torch.Tensor) -> torch.Tensor:
+    """[..., N, G] per-group values of a weight's rows as the INT4 r16 tiles read them: per 16-row block [G][16]
+    (group g of the block's row r at g·16 + r), same shape."""
+    *lead, n, g = t.shape
+    return t.reshape(*lead, n // 16, 16, g).transpose(-1, -2).contiguous().view(*lead, n, g)
 
 
 @dataclass
@@ -388,6 +413,42 @@ class Int8R16Weight:
         return self.rows().dequantize(dtype)
 
 
+@dataclass
+class Int4R16Weight:
+    """An INT4-group weight (groups of 128), [N, K] or [E, N, K], whose packed bytes are in the r16 layout
+    (r16_pack of its 4-byte units) with its scales and scale·zero products per block (_block_groups), as the r16
+    tiles read them; the row-major Int4GroupWeight (rows(), [e], dequantize) for the reference paths."""
+
+    packed: torch.Tensor  # uint8 [E?, N, Kp/2], r16 bytes
+    scale: torch.Tensor  # float32 [E?, N, G], row-major (the reference's)
+    zero: torch.Tensor  # float32 [E?, N, G], row-major
+    k: int
+    group: int
+    block_scale: torch.Tensor  # float32 [E?, N, G], per block [G][16]
+    block_sz: torch.Tensor  # float32 [E?, N, G], scale·zero, per block [G][16]
+
+    format = "int4_group"
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.packed.shape[:-1], self.k))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def rows(self) -> Int4GroupWeight:
+        return Int4GroupWeight(r16_unpack(self.packed), self.scale, self.zero, self.k, self.group)
+
+    def __getitem__(self, e) -> Int4GroupWeight:
+        if self.packed.dim() == 3:
+            return Int4GroupWeight(r16_unpack(self.packed[e]), self.scale[e], self.zero[e], self.k, self.group)
+        return self.rows()[e]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows().dequantize(dtype)
+
+
 def _r16_in_place(w: torch.Tensor) -> None:
     """w (contiguous bf16 or int8 [E?, N, K]) repacked into r16 in its own storage, one expert (or 1024 rows of a
     linear) at a time: no second copy of the whole weight."""
@@ -407,6 +468,8 @@ def _pack(weight) -> tuple | None:
         return (R16_ID, weight.w, weight.shape[-2], weight.shape[-1], _EMPTY, _EMPTY, 0, 1)
     if isinstance(weight, Int8R16Weight):
         return (I8R16_ID, weight.w, weight.shape[-2], weight.shape[-1], weight.scale, weight.wsum, 0, 1)
+    if isinstance(weight, Int4R16Weight):
+        return (I4R16_ID, weight.packed, weight.shape[-2], weight.k, weight.block_scale, weight.block_sz, weight.group, 1)
     n, k = weight.shape[-2], weight.shape[-1]
     if isinstance(weight, DenseWeight):
         fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.w.dtype)
@@ -488,18 +551,29 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
     w = args[1]
     if layout not in (None, "rows", "r16"):
         raise ValueError(f"layout {layout!r}: expected rows or r16")
-    int8 = args[0] == FORMAT_IDS["int8"]
+    int8, int4 = args[0] == FORMAT_IDS["int8"], args[0] == FORMAT_IDS["int4"]
+    expert = w.dim() == 3
     if int8:
-        wanted = layout or (int8_expert_layout() if w.dim() == 3 else int8_linear_layout())
+        wanted = layout or (int8_expert_layout() if expert else int8_linear_layout())
+    elif int4:
+        wanted = layout or (int4_expert_layout() if expert else int4_linear_layout())
     else:
-        wanted = layout or (bf16_expert_layout() if w.dim() == 3 else bf16_linear_layout())
-    if args[0] in (FORMAT_IDS["bf16"], FORMAT_IDS["int8"]) and r16_fits(w.shape, w.dtype) and wanted == "r16":
-        if in_place and w.data_ptr() == weight.w.data_ptr():
+        wanted = layout or (bf16_expert_layout() if expert else bf16_linear_layout())
+    fits = (r16_fits(w.shape, group=weight.group) if int4 else
+            args[0] in (FORMAT_IDS["bf16"], FORMAT_IDS["int8"]) and r16_fits(w.shape, w.dtype))
+    if fits and wanted == "r16":
+        if in_place and w.data_ptr() == getattr(weight, "packed" if int4 else "w").data_ptr():
             _r16_in_place(w)
         else:
             w = _huge_copy(r16_pack(w)) if _knobs["cpu_huge_pages"] and w.nbytes >= HUGE_MIN_BYTES else r16_pack(w)
-        # INT8: the scales and row sums as _pack made them from the row-major integers
-        weight = Int8R16Weight(w, args[4], args[5]) if int8 else R16Weight(w)
+        if int8:  # the scales and row sums as _pack made them from the row-major integers
+            weight = Int8R16Weight(w, args[4], args[5])
+        elif int4:
+            scale, zero = args[4], args[5]
+            weight = Int4R16Weight(w, scale, zero, weight.k, weight.group, _block_groups(scale),
+                                   _block_groups(scale * zero))
+        else:
+            weight = R16Weight(w)
         args = _pack(weight)
     return Packed(weight, args)
 
@@ -516,10 +590,10 @@ def prepare_weights(weights: dict) -> dict:
 
 
 def _orig(weight):
-    """The weight as kernels.reference takes it (an INT8 r16 weight: its row-major Int8ChannelWeight, so the
-    reference keeps its w8a8 products)."""
+    """The weight as kernels.reference takes it (an INT8 or INT4 r16 weight: its row-major one, so the
+    reference keeps its w8a8 products and reads the nibbles in their order)."""
     w = weight.orig if isinstance(weight, Packed) else weight
-    return w.rows() if isinstance(w, Int8R16Weight) else w
+    return w.rows() if isinstance(w, (Int8R16Weight, Int4R16Weight)) else w
 
 
 # ---------------------------------------------------------------- ops
@@ -548,7 +622,7 @@ def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:
 def moe_formats_match(f13: int, f2: int) -> bool:
     """Whether the fused MoE kernel takes these two stacks' format ids together: one format, in either layout
     each (BF16, INT8: each stack takes r16 by its own shape)."""
-    return f13 == f2 or (f13 in BF16_IDS and f2 in BF16_IDS) or (f13 in INT8_IDS and f2 in INT8_IDS)
+    return f13 == f2 or any(f13 in ids and f2 in ids for ids in (BF16_IDS, INT8_IDS, INT4_IDS))
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, knobs: dict | None = None) -> torch.Tensor:

@@ -41,10 +41,15 @@ enum Format : int {
   // block's row r at uint32 offset u·16 + r), the per-row scales and Σw as for kInt8. N % 16 == 0, K % 4 == 0.
   // Read only by the r16 sweep, on vpdpbusd, its C++ model, or vpmaddubsw with the sign trick.
   kInt8R16 = 20,
+  // kInt4R16: an INT4 weight of groups of 128 in the same block form (knobs cpu_int4_expert_layout / _linear_layout
+  // = r16): a row's packed bytes (kInt4's nibble order) interleaved by 4-byte unit as kInt8R16's, so each group is
+  // 16 units; its scales and scale·zero products per block as [G][16] (group g of the block's row r at g·16 + r).
+  // Read by the r16 sweep only, with int8 activations per (token, group) (the INT4 "int8" method's).
+  kInt4R16 = 21,
 };
-// The two r16 formats (the r16 sweep's), and each one's row-major format
-inline bool is_r16(int fmt) { return fmt == kBF16R16 || fmt == kInt8R16; }
-inline int rows_format(int fmt) { return fmt == kBF16R16 ? kBF16 : fmt == kInt8R16 ? kInt8 : fmt; }
+// The r16 formats (the r16 sweep's), and each one's row-major format
+inline bool is_r16(int fmt) { return fmt == kBF16R16 || fmt == kInt8R16 || fmt == kInt4R16; }
+inline int rows_format(int fmt) { return fmt == kBF16R16 ? kBF16 : fmt == kInt8R16 ? kInt8 : fmt == kInt4R16 ? kInt4 : fmt; }
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or

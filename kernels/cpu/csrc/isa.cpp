@@ -120,7 +120,7 @@ void reset_used() { t_used = 0; }
 void note_used(unsigned bits) { t_used |= bits; }
 void note_micro(const WeightView& W) {
   // micro_sweep: INT4 with the int8 method and no dot form runs micro_int4b_dp on vpmaddubsw (MaddubsNibbles)
-  const int dot = W.fmt == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot;
+  const int dot = rows_format(W.fmt) == kInt4 && W.int4_i8 && W.dot == kDotNone ? kDotMaddubs : W.dot;
   // BF16 on split256: 256-bit instructions only (micro_bf16y), named avx2
   t_used |= dot == kDotVnni ? kUsedVnni : dot == kDotVnniModel ? kUsedVnniModel : dot == kDotBf16 ? kUsedBf16
             : dot == kDotBf16Model ? kUsedBf16Model : dot == kDotMaddubs ? kUsedMaddubs

@@ -66,7 +66,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.block_n = (int)block_n;
   v.fp8_method = kn.fp8_method;
   // INT4: int8 activations need groups of whole 128-element chunks; otherwise int16 (groups of 64)
-  v.int4_i8 = fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0;
+  // kInt4R16: always the int8 method (the layout's only one; groups of 128)
+  v.int4_i8 = (fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0) || fmt == kInt4R16;
   v.int4_int = fmt == kInt4 && !v.int4_i8 && kn.int4_method != kInt4Float && group % 64 == 0;
   v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
   v.prefetch_dist = prefetch_distance(kn.prefetch_ahead, v.row_bytes);
@@ -91,12 +92,14 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   // r16: the dot product as for the row-major weight (cpu_bf16_isa, cpu_int8_isa); without one, BF16 on float32
   // FMAs (no split forms) and INT8 on vpmaddubsw (no int16 form)
   v.dot = resolve_dot(rows_format((int)fmt), v.int4_i8, v.wsum != nullptr, group, kn, act_bf16);
-  if (fmt == kInt8R16 && v.dot == kDotNone) v.dot = kDotMaddubs;
+  if ((fmt == kInt8R16 || fmt == kInt4R16) && v.dot == kDotNone) v.dot = kDotMaddubs;
   v.bf16_split = fmt == kBF16 && v.dot == kDotNone && kn.bf16_method != kBf16Widen;
   v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
   v.k_block = kn.k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
+  TORCH_CHECK(fmt != kInt4R16 || (v.zero && v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
+              "int4 r16 needs groups of 128, rows in whole blocks of 16, its block scales and scale·zero products");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
   TORCH_CHECK((fmt != kInt8 && fmt != kInt8R16) || v.scale, "int8 needs scale");
   TORCH_CHECK(fmt != kInt8R16 || (N % 16 == 0 && K % 4 == 0 && w.size(-1) == K && v.wsum),
@@ -292,7 +295,7 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
       }
     });
   }
-  if (W.fmt == kInt4 && W.int4_i8) {  // int8 per (token, group), micro_int4b's order, group sums
+  if ((W.fmt == kInt4 || W.fmt == kInt4R16) && W.int4_i8) {  // int8 per (token, group), micro_int4b's order, group sums
     const int64_t G = kp / W.group;
     p.xb = act_buf(pool, 6, K, {M, kp}, at::kChar, kZeroOnce);
     p.xbs = act_buf(pool, 7, K, {M, G}, at::kFloat, kUninit);
@@ -374,9 +377,13 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
   const int RB = (int)std::min<int64_t>((ng > 1 ? kn.r16_prefill_rows : kn.r16_rows) / 16,
                                         kR16MaxAcc / std::min<int64_t>(MT, M));
-  const bool int8 = W.fmt == kInt8R16;  // its policy: W.dot (make_weight: VNNI, its model or vpmaddubsw)
-  const int policy = int8 || W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
-  R16Fn (*pick)(int, int, int) = int8 ? get_micro_r16_int8 : get_micro_r16;
+  // INT8 and INT4: the policy is W.dot (make_weight: VNNI, its model or vpmaddubsw)
+  const bool ints = W.fmt == kInt8R16 || W.fmt == kInt4R16;
+  const int policy = ints || W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
+  R16Fn (*pick)(int, int, int) = W.fmt == kInt8R16 ? get_micro_r16_int8 : W.fmt == kInt4R16 ? get_micro_r16_int4 : get_micro_r16;
+  // INT4's tiles add each group's share to out
+  if (W.fmt == kInt4R16)
+    for (int64_t m = 0; m < M; ++m) std::memset(out + m * ldo, 0, (n1 - n0) * sizeof(float));
   WeightView Ws = W;
   if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
     Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;

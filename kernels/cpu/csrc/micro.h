@@ -71,6 +71,11 @@ R16Fn get_micro_r16(int policy, int blocks, int tokens);
 // (its C++ model) or kDotMaddubs (vpmaddubsw on |w| and x signed by w). The integer sums are exact, so the
 // result equals micro_int8_dp's on the row-major weight bit for bit: (float)Σ · x scale · row scale.
 R16Fn get_micro_r16_int8(int policy, int blocks, int tokens);
+// INT4 (groups of 128) in r16 (kInt4R16): per unit the block's 4 bytes of 8 nibbles, low and high nibbles against
+// the token's int8 activations (A.xb, micro_int4b_dp's order) broadcast 4 at a time, int32 sums per group, then
+// out += sum · (scale · x scale) − scale·zero · x group sum, 16 rows at once (the caller zeroes out first, the
+// tile adds to it). policy kDotVnni, kDotVnniModel or kDotMaddubs (vpmaddubsw, exact for nibbles).
+R16Fn get_micro_r16_int4(int policy, int blocks, int tokens);
 
 // Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
 // spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).

@@ -4,6 +4,7 @@
 // ik_llama.cpp's BF16_R16 idea (its -rtr repack): 16 rows interleaved by bf16 pair, so a step reads one
 // contiguous line per 16 rows and each token's pair is broadcast, with no horizontal sums; measured
 // against our dot form in suites/experiments/bf16_r16_layout.cpp (docs/cpu_kernels.md, session 22).
+#include <cstring>
 #include <type_traits>
 #include "micro.h"
 #include "dot.h"
@@ -12,6 +13,15 @@ namespace moetune {
 namespace {
 
 struct F32Fma {};  // no dot instruction: float32 FMAs on each pair's two halves against float activations
+
+// One line of a block's stream into the cache level `hint` says (PrefetchHint; kPrefetchNone: nothing). The
+// hint is the same on every step of a tile (a predicted branch), as prefetch_row's.
+MOETUNE_INLINE void r16_prefetch(const uint8_t* line, int hint) {
+  const char* q = reinterpret_cast<const char*>(line);
+  if (hint == kPrefetchT0) asm volatile("prefetcht0 (%0)" : : "r"(q));
+  else if (hint == kPrefetchT1) asm volatile("prefetcht1 (%0)" : : "r"(q));
+  else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(q));
+}
 
 #define MOETUNE_DOT_NS dot_hw
 #define MOETUNE_R16_ATTR MOETUNE_TARGET_BF16
@@ -52,6 +62,14 @@ R16Fn get_micro_r16(int policy, int blocks, int tokens) {
   if (policy == kDotBf16) MOETUNE_R16_PICK(dot_hw, Bf16Hw)
   if (policy == kDotBf16Model) MOETUNE_R16_PICK(dot_model, Bf16Model)
   MOETUNE_R16_PICK(dot_model, F32Fma)
+}
+
+R16Fn get_micro_r16_int4(int policy, int blocks, int tokens) {
+  if (blocks < 1 || blocks > 4 || tokens < 1 || tokens > kR16MaxTokens || blocks * tokens > kR16MaxAcc) return nullptr;
+  if (policy == kDotVnni) MOETUNE_R16_PICK_TILE(dot_hw, r16_int4_tile, VnniHw)
+  if (policy == kDotVnniModel) MOETUNE_R16_PICK_TILE(dot_model, r16_int4_tile, VnniModel)
+  if (policy == kDotMaddubs) MOETUNE_R16_PICK_TILE(dot_model, r16_int4_tile, MaddubsNibbles)
+  return nullptr;
 }
 
 R16Fn get_micro_r16_int8(int policy, int blocks, int tokens) {
