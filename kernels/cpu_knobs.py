@@ -136,6 +136,20 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "[11264, 2048] x0.97 / x1.07 (32 / 16 rows per tile) at 1 token and x0.88 at 512 against rows (the INT4 "
          "VNNI GEMM there)",
          choices=("auto", "rows", "r16"), tune=False),
+    Knob("cpu_fp8_expert_layout", str, "rows", "kernels/cpu",
+         "CPU kernels, FP8 E4M3 expert stacks (fused MoE), chosen at load: rows, or r16 (each 16 rows interleaved by "
+         "4-byte unit of 4 fp8, repacked once in place: per unit one line per 16 rows turned into bf16 pairs in "
+         "registers against each token's 4 activations broadcast, on vdpbf16ps for bf16 activations, else float32 "
+         "FMAs on the exact values; the block scale per group; every token count on it, no GEMM path). auto: r16 "
+         "where the CPU has AVX512-BF16 and no AMX, else rows. Scale blocks not of whole 16 rows, or rows not a "
+         "multiple of 32 (16 for a linear), stay rows. Default rows: on an AMD Zen 5 VM r16 prefilled `small` "
+         "x1.57 / x1.40 faster at 128 / 512 tokens but decoded (T=1) at x0.84-0.86 `small` and x0.92 V3 with "
+         "cpu_r16_rows 32 (x0.93-0.99 / x1.01 with 64), so it is a choice for prefill-heavy serving",
+         choices=("auto", "rows", "r16"), tune=False),
+    Knob("cpu_fp8_linear_layout", str, "rows", "kernels/cpu",
+         "CPU kernels, FP8 linears, chosen at load: rows, or r16 (as cpu_fp8_expert_layout, default rows likewise); "
+         "auto: r16 where the CPU has AVX512-BF16 and no AMX",
+         choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_r16_rows", int, 32, "kernels/cpu",
          "CPU linear and fused MoE on r16 weights (cpu_bf16_ / cpu_int8_ expert_layout and linear_layout), a sweep of "
          "one token group (decode): rows per register tile (16 per contiguous stream). AMD Zen 5 VM against "
@@ -318,7 +332,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
 
 # read once at load (by prepare(), by the decode runner), not per call
 LOAD_KNOBS = ("cpu_huge_pages", "cpu_serial_below_bytes", "cpu_bf16_expert_layout", "cpu_bf16_linear_layout",
-              "cpu_int8_expert_layout", "cpu_int8_linear_layout", "cpu_int4_expert_layout", "cpu_int4_linear_layout")
+              "cpu_int8_expert_layout", "cpu_int8_linear_layout", "cpu_int4_expert_layout", "cpu_int4_linear_layout",
+              "cpu_fp8_expert_layout", "cpu_fp8_linear_layout")
 # read per call: the fields of the C++ struct Knobs (kernels/cpu/csrc/common.h), named without "cpu_"
 PER_CALL_KNOBS = tuple(k.name for k in CPU_KNOBS if k.name not in LOAD_KNOBS)
 # the instruction-variant knobs (resolved at the call against the CPU's features): each variant → the

@@ -225,6 +225,12 @@ def _calls(cpu, weight, g, out) -> None:
                                                                    knobs={"cpu_bf16_isa": "avx512bf16"})
             if fmt in ("int8", "int4_g128"):
                 out[f"moe/{fmt}/{t}/maddubs"] = cpu.fused_moe(xm, w13, w2, tw, ids, knobs=maddubs)
+            if fmt == "fp8":  # the r16 layout: float32 FMAs, and vdpbf16ps's model on bf16 activations
+                r13, r2 = cpu.prepare(w13.orig, layout="r16"), cpu.prepare(w2.orig, layout="r16")
+                out[f"moe/{fmt}/{t}/r16"] = cpu.fused_moe(xm, r13, r2, tw, ids)
+                with cpu.emulate(["avx512_bf16"]):
+                    out[f"moe/{fmt}/{t}/r16/model"] = cpu.fused_moe(xm.to(torch.bfloat16), r13, r2, tw, ids,
+                                                                   knobs={"cpu_bf16_isa": "avx512bf16"})
             if fmt in ("int8", "int4_g128"):  # the r16 layout: vpmaddubsw, and vpdpbusd's model
                 r13, r2 = cpu.prepare(w13.orig, layout="r16"), cpu.prepare(w2.orig, layout="r16")
                 out[f"moe/{fmt}/{t}/r16"] = cpu.fused_moe(xm, r13, r2, tw, ids, knobs={"cpu_int8_isa": "maddubs"})

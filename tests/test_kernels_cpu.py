@@ -1101,3 +1101,80 @@ def test_int4_r16_layout_resolution_prepare_and_refusals():
                         torch.ones(32, 4), torch.zeros(32, 4), 64, 1, cpu.make_knobs())
     b13, *_ = r16_moe("regular")
     assert not cpu.moe_formats_match(cpu.I4R16_ID, cpu.I8R16_ID) and not cpu.moe_formats_match(cpu.I4R16_ID, b13.args[0])
+
+
+# ------------------------------------------------------------------ FP8 weights in the r16 layout
+
+
+def fp8_r16_moe(case: str, layout13: str = "r16", layout2: str = "r16"):
+    t, e, d, i, k, pool = R16_CASES[case]
+    w13, w2 = moe_weights(e, d, i, "fp8", seed=t + e)
+    tw, ids = routing(t, e, k, seed=t, experts=pool)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(11))
+    return (cpu.prepare(w13, layout=layout13), cpu.prepare(w2, layout=layout2), w13, w2, x, tw, ids)
+
+
+@pytest.mark.parametrize("case", sorted(R16_CASES))
+def test_fp8_r16_fused_moe_matches_the_reference_on_every_policy(case):
+    p13, p2, w13, w2, x, tw, ids = fp8_r16_moe(case)
+    assert p13.args[0] == p2.args[0] == cpu.F8R16_ID and isinstance(p13.orig, cpu.Fp8R16Weight)
+    with cpu.recording() as rec:  # float32 activations: float32 FMAs on the exact values
+        check(cpu.fused_moe(x, p13, p2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), TIGHT, f"fp8 r16 f32 {case}")
+    assert rec[-1]["isa"] == "avx512+r16" and rec[-1]["format"] == "fp8"
+    xb = x.to(torch.bfloat16)
+    refb = reference.fused_moe(xb, w13, w2, tw, ids)
+    check(cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512"}), refb, BF16_MOE, f"fp8 r16 fma {case}")
+    with cpu.emulate(["avx512_bf16"]), cpu.recording() as rec:
+        model = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+    assert rec[-1]["isa"] == "avx512bf16-model+r16"
+    check(model, refb, BF16_MOE, f"fp8 r16 dot model {case}")
+    if BF16_NATIVE:
+        with cpu.recording() as rec:
+            native = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+        assert rec[-1]["isa"] == "avx512bf16+r16" and torch.equal(native, model)
+    # every r16 knob value, either activation dtype: the same bits (a group's sums in one order)
+    if case in ("t40_few_experts", "all_on_one", "t1"):
+        for xa, extra in ((x, {}), (xb, {"cpu_bf16_isa": "avx512bf16"})):
+            with cpu.emulate(["avx512_bf16"]) if extra else contextlib.nullcontext():
+                want = cpu.fused_moe(xa, p13, p2, tw, ids, knobs=extra)
+                for name, value in R16_KNOBS:
+                    assert torch.equal(cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**extra, name: value}), want), (name, value)
+
+
+@pytest.mark.parametrize("case", ["t1", "t13", "t300"])
+def test_fp8_r16_linear_and_one_stack_in_each_layout(case):
+    t, n, k = {"t1": (1, 256, 512), "t13": (13, 48, 1000), "t300": (300, 64, 256)}[case]
+    g = torch.Generator().manual_seed(n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "fp8")
+    p = cpu.prepare(w, layout="r16")
+    assert p.args[0] == cpu.F8R16_ID and torch.equal(p.dequantize(), w.dequantize())
+    x = torch.randn(t, k, generator=g)
+    check(cpu.linear(x, p), reference.linear(x, w), TIGHT, f"fp8 r16 linear {case}")
+    xb = x.to(torch.bfloat16)
+    with cpu.emulate(["avx512_bf16"]):
+        check(cpu.linear(xb, p, knobs={"cpu_bf16_isa": "avx512bf16"}), reference.linear(xb, w), BF16_LINEAR, case)
+    assert torch.equal(cpu.linear(x.to(torch.float16), p), reference.linear(x.to(torch.float16), w))
+    p13, p2, w13, w2, xm, tw, ids = fp8_r16_moe("odd_t13", "rows", "r16")
+    assert (p13.args[0], p2.args[0]) == (cpu.FORMAT_IDS["fp8"], cpu.F8R16_ID)
+    check(cpu.fused_moe(xm, p13, p2, tw, ids), reference.fused_moe(xm, w13, w2, tw, ids), TIGHT, "fp8 rows | r16")
+
+
+def test_fp8_r16_layout_resolution_and_refusals():
+    w13, _ = moe_weights(4, 64, 32, "fp8")
+    names = ("cpu_fp8_expert_layout", "cpu_fp8_linear_layout")
+    assert all(cpu.KNOB_DEFAULTS[n] == "rows" for n in names)  # r16 by choice (the knobs' help: decode is slower)
+    try:
+        cpu.configure({"cpu_fp8_expert_layout": "auto"})
+        with cpu.feature_mask({"avx512_bf16"}):
+            assert cpu.fp8_expert_layout() == ("r16" if BF16_NATIVE else "rows")
+            assert cpu.prepare(w13).args[0] == (cpu.F8R16_ID if BF16_NATIVE else cpu.FORMAT_IDS["fp8"])
+        with cpu.feature_mask(set()):
+            assert cpu.fp8_expert_layout() == "rows" and cpu.prepare(w13).args[0] == cpu.FORMAT_IDS["fp8"]
+    finally:
+        cpu.configure({n: cpu.KNOB_DEFAULTS[n] for n in names})
+    odd = formats.quantize_fp8_block(torch.randn(64, 256), block=(8, 128))  # scale blocks of 8 rows
+    assert cpu.prepare(odd, layout="r16").args[0] == cpu.FORMAT_IDS["fp8"]
+    with pytest.raises(RuntimeError, match="fp8 r16 needs scale blocks of whole 16-row blocks"):
+        cpu._ext.linear(torch.randn(2, 256), cpu.F8R16_ID, torch.zeros(32, 256, dtype=torch.uint8), 32, 256,
+                        torch.ones(4, 2), cpu._EMPTY, 128, 8, cpu.make_knobs())
+    assert not cpu.moe_formats_match(cpu.F8R16_ID, cpu.R16_ID) and cpu.moe_formats_match(cpu.F8R16_ID, cpu.FORMAT_IDS["fp8"])

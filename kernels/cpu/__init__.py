@@ -6,10 +6,10 @@ Weights: every format of kernels.formats (dense float32/bfloat16, INT8-channel, 
 INT4-group) is consumed in its own row-major [N, K] layout; `prepare_weights` wraps each weight
 once at load in a `Packed` holding the kernel's arguments (contiguous tensors, float32 scales,
 FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weights fall back to the reference.
-BF16 and INT8 expert stacks and linears may instead be repacked once into the r16 layout (16 rows interleaved
-by 4-byte unit: a bf16 pair, 4 int8; `R16Weight`, `Int8R16Weight`; knobs cpu_bf16_expert_layout,
-cpu_bf16_linear_layout, cpu_int8_expert_layout, cpu_int8_linear_layout), which only the fused MoE and linear
-kernels read (on every token count: no GEMM path reads it).
+BF16, INT8, INT4 (groups of 128) and FP8 expert stacks and linears may instead be repacked once into the r16
+layout (16 rows interleaved by 4-byte unit: a bf16 pair, 4 int8, 8 nibbles, 4 fp8; `R16Weight`, `Int8R16Weight`,
+`Int4R16Weight`, `Fp8R16Weight`; knobs cpu_{bf16,int8,int4,fp8}_{expert,linear}_layout), which only the fused MoE
+and linear kernels read (on every token count: no GEMM path reads it).
 
 Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
 one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
@@ -64,6 +64,10 @@ INT8_IDS = (FORMAT_IDS["int8"], I8R16_ID)
 I4R16_ID = 21
 FORMAT_NAMES[I4R16_ID] = "int4"
 INT4_IDS = (FORMAT_IDS["int4"], I4R16_ID)
+# FP8 E4M3 blocks in r16 (kFp8R16; knobs cpu_fp8_expert_layout / _linear_layout)
+F8R16_ID = 22
+FORMAT_NAMES[F8R16_ID] = "fp8"
+FP8_IDS = (FORMAT_IDS["fp8"], F8R16_ID)
 _EMPTY = torch.empty(0)
 
 # ---------------------------------------------------------------- knobs: the named struct
@@ -297,13 +301,16 @@ def r16_unpack(w: torch.Tensor) -> torch.Tensor:
     return _swap_r16_axes(w, packed=True)
 
 
-def r16_fits(shape, dtype: torch.dtype = torch.bfloat16, group: int | None = None) -> bool:
+def r16_fits(shape, dtype: torch.dtype = torch.bfloat16, group: int | None = None, block: tuple | None = None) -> bool:
     """Whether a BF16 (or INT8: dtype int8) weight of this shape can take the r16 layout: K in whole 4-byte units
     (even for bf16, a multiple of 4 for int8), and rows in whole 16s (a linear) or 32s (an expert stack, so
     that gate|up's halves each start a 16-row block)."""
     if group is not None:  # INT4: groups of 128 (the tiles take one group per 16 units)
         return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and group == 128
-    per_unit = 4 if dtype == torch.int8 else 2
+    if block is not None:  # FP8: scale blocks of whole 16-row blocks and of whole 4-byte units
+        if block[0] % 16 or block[1] % 4:
+            return False
+    per_unit = 4 if dtype in (torch.int8, torch.uint8) else 2
     return len(shape) in (2, 3) and shape[-2] % (32 if len(shape) == 3 else 16) == 0 and shape[-1] % per_unit == 0
 
 
@@ -312,6 +319,8 @@ def _r16_auto(knob: str) -> str:
     if v != "auto":
         return v
     have = features()
+    if knob.startswith("cpu_fp8_"):  # its dot product is AVX512-BF16's; AMX machines keep oneDNN's row-major path
+        return "r16" if "avx512_bf16" in have and "amx" not in have else "rows"
     if knob.startswith("cpu_int4_"):  # no AMX form of INT4: r16 wherever VNNI runs
         return "r16" if "avx512_vnni" in have else "rows"
     need = "avx512_vnni" if knob.startswith("cpu_int8_") else "avx512_bf16"
@@ -347,6 +356,16 @@ def int4_expert_layout() -> str:
 def int4_linear_layout() -> str:
     """What cpu_int4_linear_layout resolves to here (auto: as int4_expert_layout)."""
     return _r16_auto("cpu_int4_linear_layout")
+
+
+def fp8_expert_layout() -> str:
+    """What cpu_fp8_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-BF16 and no AMX."""
+    return _r16_auto("cpu_fp8_expert_layout")
+
+
+def fp8_linear_layout() -> str:
+    """What cpu_fp8_linear_layout resolves to here (auto: as fp8_expert_layout)."""
+    return _r16_auto("cpu_fp8_linear_layout")
 
 
 def _block_groups(t: torch.Tensor) -> torch.Tensor:
@@ -449,6 +468,37 @@ class Int4R16Weight:
         return self.rows().dequantize(dtype)
 
 
+@dataclass
+class Fp8R16Weight:
+    """An FP8-block weight, [N, K] or [E, N, K], whose bytes are in the r16 layout (r16_pack of its 4-byte units),
+    its block scales as they are; the row-major Fp8BlockWeight (rows(), [e], dequantize) for the reference paths."""
+
+    w: torch.Tensor  # uint8 [E?, N, K], r16 bytes of float8_e4m3fn
+    scale_inv: torch.Tensor  # float32 [E?, ceil(N/bn), ceil(K/bk)]
+    block: tuple
+
+    format = "fp8_block"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.scale_inv.nbytes
+
+    def rows(self) -> Fp8BlockWeight:
+        return Fp8BlockWeight(r16_unpack(self.w).view(torch.float8_e4m3fn), self.scale_inv, self.block)
+
+    def __getitem__(self, e) -> Fp8BlockWeight:
+        if self.w.dim() == 3:
+            return Fp8BlockWeight(r16_unpack(self.w[e]).view(torch.float8_e4m3fn), self.scale_inv[e], self.block)
+        return self.rows()[e]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows().dequantize(dtype)
+
+
 def _r16_in_place(w: torch.Tensor) -> None:
     """w (contiguous bf16 or int8 [E?, N, K]) repacked into r16 in its own storage, one expert (or 1024 rows of a
     linear) at a time: no second copy of the whole weight."""
@@ -468,6 +518,9 @@ def _pack(weight) -> tuple | None:
         return (R16_ID, weight.w, weight.shape[-2], weight.shape[-1], _EMPTY, _EMPTY, 0, 1)
     if isinstance(weight, Int8R16Weight):
         return (I8R16_ID, weight.w, weight.shape[-2], weight.shape[-1], weight.scale, weight.wsum, 0, 1)
+    if isinstance(weight, Fp8R16Weight):
+        bn, bk = weight.block
+        return (F8R16_ID, weight.w, weight.shape[-2], weight.shape[-1], weight.scale_inv, _EMPTY, bk, bn)
     if isinstance(weight, Int4R16Weight):
         return (I4R16_ID, weight.packed, weight.shape[-2], weight.k, weight.block_scale, weight.block_sz, weight.group, 1)
     n, k = weight.shape[-2], weight.shape[-1]
@@ -551,16 +604,18 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
     w = args[1]
     if layout not in (None, "rows", "r16"):
         raise ValueError(f"layout {layout!r}: expected rows or r16")
-    int8, int4 = args[0] == FORMAT_IDS["int8"], args[0] == FORMAT_IDS["int4"]
+    int8, int4, fp8 = (args[0] == FORMAT_IDS[f] for f in ("int8", "int4", "fp8"))
     expert = w.dim() == 3
-    if int8:
+    if fp8:
+        wanted = layout or (fp8_expert_layout() if expert else fp8_linear_layout())
+    elif int8:
         wanted = layout or (int8_expert_layout() if expert else int8_linear_layout())
     elif int4:
         wanted = layout or (int4_expert_layout() if expert else int4_linear_layout())
     else:
         wanted = layout or (bf16_expert_layout() if expert else bf16_linear_layout())
-    fits = (r16_fits(w.shape, group=weight.group) if int4 else
-            args[0] in (FORMAT_IDS["bf16"], FORMAT_IDS["int8"]) and r16_fits(w.shape, w.dtype))
+    fits = (r16_fits(w.shape, group=weight.group) if int4 else r16_fits(w.shape, w.dtype, block=weight.block) if fp8
+            else args[0] in (FORMAT_IDS["bf16"], FORMAT_IDS["int8"]) and r16_fits(w.shape, w.dtype))
     if fits and wanted == "r16":
         if in_place and w.data_ptr() == getattr(weight, "packed" if int4 else "w").data_ptr():
             _r16_in_place(w)
@@ -568,6 +623,8 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
             w = _huge_copy(r16_pack(w)) if _knobs["cpu_huge_pages"] and w.nbytes >= HUGE_MIN_BYTES else r16_pack(w)
         if int8:  # the scales and row sums as _pack made them from the row-major integers
             weight = Int8R16Weight(w, args[4], args[5])
+        elif fp8:
+            weight = Fp8R16Weight(w, args[4], weight.block)
         elif int4:
             scale, zero = args[4], args[5]
             weight = Int4R16Weight(w, scale, zero, weight.k, weight.group, _block_groups(scale),
@@ -591,9 +648,9 @@ def prepare_weights(weights: dict) -> dict:
 
 def _orig(weight):
     """The weight as kernels.reference takes it (an INT8 or INT4 r16 weight: its row-major one, so the
-    reference keeps its w8a8 products and reads the nibbles in their order)."""
+    reference keeps its w8a8 products and reads the bytes in their order)."""
     w = weight.orig if isinstance(weight, Packed) else weight
-    return w.rows() if isinstance(w, (Int8R16Weight, Int4R16Weight)) else w
+    return w.rows() if isinstance(w, (Int8R16Weight, Int4R16Weight, Fp8R16Weight)) else w
 
 
 # ---------------------------------------------------------------- ops
@@ -622,7 +679,7 @@ def linear(x: torch.Tensor, weight, knobs: dict | None = None) -> torch.Tensor:
 def moe_formats_match(f13: int, f2: int) -> bool:
     """Whether the fused MoE kernel takes these two stacks' format ids together: one format, in either layout
     each (BF16, INT8: each stack takes r16 by its own shape)."""
-    return f13 == f2 or any(f13 in ids and f2 in ids for ids in (BF16_IDS, INT8_IDS, INT4_IDS))
+    return f13 == f2 or any(f13 in ids and f2 in ids for ids in (BF16_IDS, INT8_IDS, INT4_IDS, FP8_IDS))
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, knobs: dict | None = None) -> torch.Tensor:

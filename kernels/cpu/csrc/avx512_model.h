@@ -61,6 +61,7 @@ MT_A m512i mm512_setzero_si512() { return {_mm256_setzero_si256(), _mm256_setzer
 MT_A m512 mm512_set1_ps(float a) { const __m256 v = _mm256_set1_ps(a); return {v, v}; }
 MT_A m512i mm512_set1_epi32(int a) { const __m256i v = _mm256_set1_epi32(a); return {v, v}; }
 MT_A m512i mm512_set1_epi16(short a) { const __m256i v = _mm256_set1_epi16(a); return {v, v}; }
+MT_A m512i mm512_set1_epi64(long long a) { const __m256i v = _mm256_set1_epi64x(a); return {v, v}; }
 MT_A m512i mm512_set1_epi8(char a) { const __m256i v = _mm256_set1_epi8(a); return {v, v}; }
 MT_A m512i mm512_set_epi16(short e31, short e30, short e29, short e28, short e27, short e26, short e25, short e24,
                            short e23, short e22, short e21, short e20, short e19, short e18, short e17, short e16,
@@ -245,12 +246,17 @@ MT_A m512i mm512_srli_epi32(m512i a, const unsigned n) { return {_mm256_srli_epi
 MT_A m512i mm512_slli_epi16(m512i a, const unsigned n) { return {_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
 MT_A m512i mm512_srli_epi16(m512i a, const unsigned n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
 MT_A m512i mm512_srai_epi16(m512i a, const unsigned n) { return {_mm256_srai_epi16(a.lo, n), _mm256_srai_epi16(a.hi, n)}; }
+MT_A m512i mm512_srai_epi32(m512i a, const unsigned n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
 
 // vshuff32x4 / vshufi32x4: result lanes 0, 1 from a's lanes imm[1:0], imm[3:2]; lanes 2, 3 from b's
 // imm[5:4], imm[7:6]. A lane index 0..3 over (lo, hi) is vperm2f128's selector over (x = lo, y = hi).
 MT_A m512 mm512_shuffle_f32x4(m512 a, m512 b, const int imm) {
   return {_mm256_permute2f128_ps(a.lo, a.hi, (imm & 3) | (((imm >> 2) & 3) << 4)),
           _mm256_permute2f128_ps(b.lo, b.hi, ((imm >> 4) & 3) | (((imm >> 6) & 3) << 4))};
+}
+// vshufps: per 128-bit lane, a's elements imm[1:0], imm[3:2] then b's imm[5:4], imm[7:6] (vshufps ymm per half)
+MT_A m512 mm512_shuffle_ps(m512 a, m512 b, const int imm) {
+  return {_mm256_shuffle_ps(a.lo, b.lo, imm), _mm256_shuffle_ps(a.hi, b.hi, imm)};
 }
 MT_A m512i mm512_shuffle_i32x4(m512i a, m512i b, const int imm) {
   return {_mm256_permute2x128_si256(a.lo, a.hi, (imm & 3) | (((imm >> 2) & 3) << 4)),
@@ -361,6 +367,7 @@ MT_A int mm512_reduce_add_epi32(m512i a) {
 #define _mm512_set1_ps moetune_avx2::mm512_set1_ps
 #define _mm512_set1_epi32 moetune_avx2::mm512_set1_epi32
 #define _mm512_set1_epi16 moetune_avx2::mm512_set1_epi16
+#define _mm512_set1_epi64 moetune_avx2::mm512_set1_epi64
 #define _mm512_set1_epi8 moetune_avx2::mm512_set1_epi8
 #define _mm512_set_epi16 moetune_avx2::mm512_set_epi16
 #define _mm512_loadu_ps moetune_avx2::mm512_loadu_ps
@@ -423,8 +430,10 @@ MT_A int mm512_reduce_add_epi32(m512i a) {
 #define _mm512_slli_epi16 moetune_avx2::mm512_slli_epi16
 #define _mm512_srli_epi16 moetune_avx2::mm512_srli_epi16
 #define _mm512_srai_epi16 moetune_avx2::mm512_srai_epi16
+#define _mm512_srai_epi32 moetune_avx2::mm512_srai_epi32
 #define _mm512_shuffle_f32x4 moetune_avx2::mm512_shuffle_f32x4
 #define _mm512_shuffle_i32x4 moetune_avx2::mm512_shuffle_i32x4
+#define _mm512_shuffle_ps moetune_avx2::mm512_shuffle_ps
 #define _mm512_permutex2var_epi16 moetune_avx2::mm512_permutex2var_epi16
 #define _mm512_cvtepi8_epi32 moetune_avx2::mm512_cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 moetune_avx2::mm512_cvtepu8_epi32

@@ -46,10 +46,16 @@ enum Format : int {
   // 16 units; its scales and scale·zero products per block as [G][16] (group g of the block's row r at g·16 + r).
   // Read by the r16 sweep only, with int8 activations per (token, group) (the INT4 "int8" method's).
   kInt4R16 = 21,
+  // kFp8R16: an FP8 E4M3 weight (scale blocks of whole 16-row blocks) in the same block form, 4-byte units of 4
+  // fp8 (knobs cpu_fp8_expert_layout / _linear_layout = r16); its block scales as kFp8's. Read by the r16 sweep
+  // only: vdpbf16ps on the bytes turned into bf16 in registers, its model, or float32 FMAs.
+  kFp8R16 = 22,
 };
 // The r16 formats (the r16 sweep's), and each one's row-major format
-inline bool is_r16(int fmt) { return fmt == kBF16R16 || fmt == kInt8R16 || fmt == kInt4R16; }
-inline int rows_format(int fmt) { return fmt == kBF16R16 ? kBF16 : fmt == kInt8R16 ? kInt8 : fmt == kInt4R16 ? kInt4 : fmt; }
+inline bool is_r16(int fmt) { return fmt == kBF16R16 || fmt == kInt8R16 || fmt == kInt4R16 || fmt == kFp8R16; }
+inline int rows_format(int fmt) {
+  return fmt == kBF16R16 ? kBF16 : fmt == kInt8R16 ? kInt8 : fmt == kInt4R16 ? kInt4 : fmt == kFp8R16 ? kFp8 : fmt;
+}
 enum Int4Method : int { kInt4Float = 0, kInt4Int16 = 1, kInt4Int8 = 2 };
 enum Fp8Method : int { kFp8Vector = 0, kFp8Lut = 1, kFp8Widen = 2 };
 // cpu_bf16_method: BF16 weights on float FMAs (no BF16 dot): each bf16 widened to a float32 lane (widen), or

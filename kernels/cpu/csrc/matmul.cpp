@@ -101,6 +101,9 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   TORCH_CHECK(fmt != kInt4R16 || (v.zero && v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
               "int4 r16 needs groups of 128, rows in whole blocks of 16, its block scales and scale·zero products");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
+  TORCH_CHECK(fmt != kFp8R16 || (v.scale && group % 4 == 0 && block_n % 16 == 0 && N % 16 == 0 && K % 4 == 0 &&
+                                 w.size(-1) == K),
+              "fp8 r16 needs scale blocks of whole 16-row blocks and 4-byte units of K, rows in whole blocks of 16");
   TORCH_CHECK((fmt != kInt8 && fmt != kInt8R16) || v.scale, "int8 needs scale");
   TORCH_CHECK(fmt != kInt8R16 || (N % 16 == 0 && K % 4 == 0 && w.size(-1) == K && v.wsum),
               "int8 r16 needs rows in whole blocks of 16, K a multiple of 4 and the row sums");
@@ -277,12 +280,13 @@ PreparedAct prepare_act_f32rows(const float* src, int64_t M, int64_t K, int64_t 
     p.xh = act_buf(pool, 5, K, {M, kp}, at::kBFloat16, kZeroOnce);
     uint16_t* h = reinterpret_cast<uint16_t*>(p.xh.data_ptr<at::BFloat16>());
     const bool fp8 = W.fmt == kFp8;
+    const float xscale = W.fmt == kFp8R16 ? kFp8WidenActScale : 1.f;  // FP8 r16: × 2^60 in order
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) {
         const float* xr = d + m * kp;
         uint16_t* hr = h + m * kp;
         if (!fp8) {
-          for (int64_t k = 0; k < K; ++k) hr[k] = c10::BFloat16(xr[k]).x;
+          for (int64_t k = 0; k < K; ++k) hr[k] = c10::BFloat16(xr[k] * xscale).x;
           continue;
         }
         // per 64: the 32 elements the unpacklo half meets, then the 32 the unpackhi half meets
@@ -375,14 +379,16 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   const int MT = (int)kn.r16_tokens;
   const int64_t ng = (M + MT - 1) / MT;
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
+  const int64_t max_acc = W.fmt == kFp8R16 ? kR16Fp8MaxAcc : kR16MaxAcc;
   const int RB = (int)std::min<int64_t>((ng > 1 ? kn.r16_prefill_rows : kn.r16_rows) / 16,
-                                        kR16MaxAcc / std::min<int64_t>(MT, M));
+                                        max_acc / std::min<int64_t>(MT, M));
   // INT8 and INT4: the policy is W.dot (make_weight: VNNI, its model or vpmaddubsw)
   const bool ints = W.fmt == kInt8R16 || W.fmt == kInt4R16;
   const int policy = ints || W.dot == kDotBf16 || W.dot == kDotBf16Model ? W.dot : kDotNone;
-  R16Fn (*pick)(int, int, int) = W.fmt == kInt8R16 ? get_micro_r16_int8 : W.fmt == kInt4R16 ? get_micro_r16_int4 : get_micro_r16;
-  // INT4's tiles add each group's share to out
-  if (W.fmt == kInt4R16)
+  R16Fn (*pick)(int, int, int) = W.fmt == kInt8R16 ? get_micro_r16_int8 : W.fmt == kInt4R16 ? get_micro_r16_int4
+                                 : W.fmt == kFp8R16 ? get_micro_r16_fp8 : get_micro_r16;
+  // INT4's and FP8's tiles add each group's share to out
+  if (W.fmt == kInt4R16 || W.fmt == kFp8R16)
     for (int64_t m = 0; m < M; ++m) std::memset(out + m * ldo, 0, (n1 - n0) * sizeof(float));
   WeightView Ws = W;
   if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {

@@ -76,6 +76,14 @@ R16Fn get_micro_r16_int8(int policy, int blocks, int tokens);
 // out += sum · (scale · x scale) − scale·zero · x group sum, 16 rows at once (the caller zeroes out first, the
 // tile adds to it). policy kDotVnni, kDotVnniModel or kDotMaddubs (vpmaddubsw, exact for nibbles).
 R16Fn get_micro_r16_int4(int policy, int blocks, int tokens);
+// FP8 in r16 (kFp8R16): per unit the block's 4 bytes per row turned into two vectors of bf16 pairs in registers
+// (micro_fp8_dp's value · 2^-120 bits: rows 4j, 4j+1 in one, 4j+2, 4j+3 in the other, per 128-bit lane j) against
+// each token's 4 activations (A.xh: bf16 · 2^60, in order) broadcast as 64 bits, on vdpbf16ps (kDotBf16) or its
+// model (kDotBf16Model, DAZ + FTZ set by the caller); per scale group the lanes' pairs summed into rows and
+// scaled into out (zeroed by the caller). kDotNone: each byte to float32 exactly (denormals as kFp8's vector
+// method reads them) against float activations (A.xf), by float32 FMAs. blocks · tokens ≤ kR16Fp8MaxAcc.
+constexpr int kR16Fp8MaxAcc = 12;
+R16Fn get_micro_r16_fp8(int policy, int blocks, int tokens);
 
 // Row r of the register tile that starts at row r0: W.tile_stride rows apart (1: adjacent; micro_sweep
 // spreads them with cpu_tile_rows=spread); past the last row, the last row (a partial tile).

@@ -64,6 +64,29 @@ R16Fn get_micro_r16(int policy, int blocks, int tokens) {
   MOETUNE_R16_PICK(dot_model, F32Fma)
 }
 
+// blocks · tokens ≤ 12 (two sums per output in a group)
+#define MOETUNE_R16_PICK_FP8(NS, P)                                                      \
+  {                                                                                      \
+    using namespace NS;                                                                  \
+    static const R16Fn t[4][kR16MaxTokens] = {                                           \
+        {r16_fp8_tile<P, 1, 1>, r16_fp8_tile<P, 1, 2>, r16_fp8_tile<P, 1, 3>, r16_fp8_tile<P, 1, 4>, \
+         r16_fp8_tile<P, 1, 5>, r16_fp8_tile<P, 1, 6>, r16_fp8_tile<P, 1, 7>, r16_fp8_tile<P, 1, 8>, \
+         r16_fp8_tile<P, 1, 9>, r16_fp8_tile<P, 1, 10>, r16_fp8_tile<P, 1, 11>, r16_fp8_tile<P, 1, 12>}, \
+        {r16_fp8_tile<P, 2, 1>, r16_fp8_tile<P, 2, 2>, r16_fp8_tile<P, 2, 3>, r16_fp8_tile<P, 2, 4>, \
+         r16_fp8_tile<P, 2, 5>, r16_fp8_tile<P, 2, 6>},                                  \
+        {r16_fp8_tile<P, 3, 1>, r16_fp8_tile<P, 3, 2>, r16_fp8_tile<P, 3, 3>, r16_fp8_tile<P, 3, 4>}, \
+        {r16_fp8_tile<P, 4, 1>, r16_fp8_tile<P, 4, 2>, r16_fp8_tile<P, 4, 3>}};          \
+    return t[blocks - 1][tokens - 1];                                                    \
+  }
+
+R16Fn get_micro_r16_fp8(int policy, int blocks, int tokens) {
+  static_assert(kR16Fp8MaxAcc == 12, "MOETUNE_R16_PICK_FP8's table");
+  if (blocks < 1 || blocks > 4 || tokens < 1 || tokens > kR16MaxTokens || blocks * tokens > kR16Fp8MaxAcc) return nullptr;
+  if (policy == kDotBf16) MOETUNE_R16_PICK_FP8(dot_hw, Bf16Hw)
+  if (policy == kDotBf16Model) MOETUNE_R16_PICK_FP8(dot_model, Bf16Model)
+  MOETUNE_R16_PICK_FP8(dot_model, F32Fma)
+}
+
 R16Fn get_micro_r16_int4(int policy, int blocks, int tokens) {
   if (blocks < 1 || blocks > 4 || tokens < 1 || tokens > kR16MaxTokens || blocks * tokens > kR16MaxAcc) return nullptr;
   if (policy == kDotVnni) MOETUNE_R16_PICK_TILE(dot_hw, r16_int4_tile, VnniHw)
