@@ -168,10 +168,25 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "on an AMD Zen 5 VM: t1 x1.02 none at 6 tokens per tile, none x1.03 t1 at 12",
          choices=("t0", "t1", "t2", "none")),
     Knob("cpu_r16_tokens", int, 12, "kernels/cpu",
-         "CPU linear and fused MoE on r16 weights: tokens per register tile (the rest of a sweep's tokens in one "
+         "CPU linear and fused MoE on INT8, INT4 and FP8 r16 weights (BF16: cpu_r16_bf16_tokens): tokens per register "
+         "tile (the rest of a sweep's tokens in one "
          "smaller tile); a tile holds at most 24 accumulators of 16 rows, so past 6 tokens it has fewer rows "
          "than cpu_r16_rows / cpu_r16_prefill_rows say. `small` on an AMD Zen 5 VM against row-major BF16, 12 / 8 / "
          "6 / 4 tokens: x1.16-1.23 / x1.16 / x1.08-1.11 / x1.00 at 128 tokens, 12 / 6: x1.33 / x1.31 at 512",
+         low=1, high=12),
+    Knob("cpu_r16_onednn_min_tokens", int, 4096, "kernels/cpu",
+         "CPU linear on BF16 r16 weights (cpu_bf16_linear_layout) with bf16 activations: from this many tokens, "
+         "torch's bf16 linear (oneDNN) on the weight's rows restored from r16, cpu_gemm_block_n rows at a time into "
+         "one reused buffer, instead of the r16 tiles (4096: the tiles at every token count). AMD Zen 4 VM, linear "
+         "[11264, 2048] at 512 tokens: 72.6-75.5 ms against 68.9 ms for 6-token tiles and 65.6 ms for oneDNN on "
+         "row-major weights (cpu_gemm_block_n 2048 ahead of 256), hence off by default; the tuner may set it per shape",
+         low=1, high=4096, log=True),
+    Knob("cpu_r16_bf16_tokens", int, 6, "kernels/cpu",
+         "CPU linear and fused MoE on BF16 r16 weights: tokens per register tile, as cpu_r16_tokens for the other r16 "
+         "formats (each token's bf16 pair is broadcast once per step for the tile's blocks: 4 blocks x 6 tokens "
+         "broadcast half as often as 2 x 12). AMD Zen 4 VM (AVX-512 on 256-bit units), 6 against 12: linear "
+         "[11264, 2048] x1.45 at 512 tokens, fused MoE `small` x1.07; Zen 5 (session 23, cpu_r16_tokens' figures): "
+         "x0.98 at 512, x0.90-0.93 at 128",
          low=1, high=12),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",

@@ -699,7 +699,8 @@ def test_r16_one_stack_in_each_layout(layouts):
     assert rec[-1]["isa"].endswith("+r16")
 
 
-R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_next_prefetch",
+R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens",
+                              "cpu_r16_next_prefetch",
                               "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
              for v in knob_samples(n)]
 
@@ -819,6 +820,37 @@ def test_r16_linear_matches_the_reference_on_every_policy(case):
     # every knob the r16 sweep reads, and the task size, give the same bits
     for name, value in R16_KNOBS + [("cpu_linear_block_n", 16), ("cpu_linear_block_n", 1)]:
         assert torch.equal(cpu.linear(x, p, knobs={name: value}), cpu.linear(x, p)), (case, name, value)
+
+
+# (T, N, K): one block; K in whole and part 16-unit transposes (130: 65 pairs); more rows than one restored
+# block (cpu_gemm_block_n 256); one token
+R16_ONEDNN = {"one_block": (3, 16, 64), "k130": (5, 48, 130), "rows_600": (300, 608, 256), "t1": (1, 32, 2050)}
+
+
+@pytest.mark.parametrize("case", sorted(R16_ONEDNN))
+def test_r16_linear_on_onednn_from_the_knob(case):
+    """cpu_r16_onednn_min_tokens: from that many bf16 tokens, torch's bf16 linear on the rows restored from r16
+    (block by block): torch's own result on the row-major weight where one block holds every row, within
+    bf16 rounding of the reference always; float32 activations and fewer tokens stay on the r16 tiles."""
+    t, n, k = R16_ONEDNN[case]
+    g = torch.Generator().manual_seed(n * k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, "bf16")
+    p = cpu.prepare(w, layout="r16")
+    assert p.args[0] == cpu.R16_ID
+    xb = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    on = {"cpu_r16_onednn_min_tokens": t}
+    with cpu.recording() as rec:
+        got = cpu.linear(xb, p, knobs=on)
+    assert rec[-1]["isa"] == "onednn+r16" and got.dtype == torch.bfloat16
+    check(got, reference.linear(xb, w), BF16_LINEAR, f"r16 onednn {case}")
+    whole = cpu.linear(xb, p, knobs={**on, "cpu_gemm_block_n": 4096})
+    assert torch.equal(whole, torch.nn.functional.linear(xb, w.w)), case
+    if n > 256:  # several restored blocks: the same outputs as one (each output's K sum is oneDNN's own)
+        check(got, whole, BF16_LINEAR, f"r16 onednn blocks {case}")
+    with cpu.recording() as rec:
+        cpu.linear(xb, p, knobs={"cpu_r16_onednn_min_tokens": t + 1})
+        cpu.linear(xb.float(), p, knobs=on)
+    assert [r["isa"].endswith("+r16") and not r["isa"].startswith("onednn") for r in rec] == [True, True]
 
 
 def test_r16_linear_layout_resolution():

@@ -159,6 +159,8 @@ struct Knobs {
   int64_t amx_direct_max_tokens = -1;  // AMX GEMM: up to this many rows, weight rows read as tiles in place
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
+  int64_t r16_onednn_min_tokens = 0;  // from this many rows, BF16 r16 linears (bf16 activations) run oneDNN on rows restored
+  int64_t r16_bf16_tokens = 0;   // tokens per BF16 r16 register tile (cpu_r16_tokens: the other r16 formats')
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
   int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups; gemm_fma: per pass
   PrefetchHint prefetch_hint = (PrefetchHint)-1;

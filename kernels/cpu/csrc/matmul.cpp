@@ -116,11 +116,11 @@ void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(micro_wide == 0 || get_micro_bf16_dot_wide(kBF16DpModel, (int)micro_wide), "micro_wide must be 0, 6, 8 or 12");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && prefetch_ahead >= 0 &&
+                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && r16_onednn_min_tokens >= 1 && prefetch_ahead >= 0 &&
                   prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
               "linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens ≥ 0, "
-              "dot_gemm_min_tokens, bf16_gemm_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0, "
+              "dot_gemm_min_tokens, bf16_gemm_min_tokens, r16_onednn_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0, "
               "k_block a multiple of 32 ≥ 32");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16MethodAuto && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
@@ -144,8 +144,8 @@ void Knobs::check() const {
               "prefill_prefetch_hint must be set and prefill_prefetch_ahead a multiple of 64 ≥ 0");
   TORCH_CHECK((r16_rows == 16 || r16_rows == 32 || r16_rows == 64) &&
                   (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
-                  r16_tokens <= kR16MaxTokens && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
-              "r16_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens 1..12, r16_next_prefetch set");
+                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
+              "r16_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_next_prefetch set");
 }
 
 // ------------------------------------------------------------------ activations
@@ -376,7 +376,7 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                       float* out, int64_t ldo, const Knobs& kn) {
   TORCH_CHECK(n0 % 16 == 0 && n1 % 16 == 0, "r16 sweep: rows in whole 16-row blocks");
-  const int MT = (int)kn.r16_tokens;
+  const int MT = (int)(W.fmt == kBF16R16 ? kn.r16_bf16_tokens : kn.r16_tokens);
   const int64_t ng = (M + MT - 1) / MT;
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
   const int64_t max_acc = W.fmt == kFp8R16 ? kR16Fp8MaxAcc : kR16MaxAcc;
@@ -589,6 +589,67 @@ at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs
   return out;
 }
 
+// Rows [r0, r1) (whole 16-row blocks) of a BF16 r16 weight, row-major into dst [r1 - r0, K]: each block's
+// [units][16] 4-byte units (bf16 pairs) transposed back to [16][units], 16 units (1 KiB) at a time.
+static void r16_rows_bf16(const WeightView& W, int64_t r0, int64_t r1, uint16_t* dst) {
+  const int64_t U = W.K / 2;
+  for (int64_t b = r0 / 16; b < r1 / 16; ++b) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(W.w + b * 16 * W.row_bytes);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (b * 16 - r0) * U;
+    const int64_t u16 = U & ~int64_t(15);
+    for (int64_t u0 = 0; u0 < u16; u0 += 16) {  // a 16 × 16 transpose of 32-bit units in registers
+      __m512i a[16], t[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_loadu_si512((const void*)(src + (u0 + j) * 16));
+#pragma GCC unroll 8
+      for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(a[j], a[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(a[j], a[j + 1]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 16; j += 4) {
+        a[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+        a[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+        a[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+        a[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 16; h += 8)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          t[h + j] = _mm512_shuffle_i32x4(a[h + j], a[h + j + 4], 0x88);
+          t[h + j + 4] = _mm512_shuffle_i32x4(a[h + j], a[h + j + 4], 0xdd);
+        }
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        a[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        a[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+      }
+      // a[r]: row r's 16 units
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(d + j * U + u0), a[j]);
+    }
+    for (int64_t u = u16; u < U; ++u)
+      for (int r = 0; r < 16; ++r) d[r * U + u] = src[u * 16 + r];
+  }
+}
+
+at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs& kn, at::ScalarType out_dtype) {
+  TORCH_CHECK(W.fmt == kBF16R16 && x.scalar_type() == at::kBFloat16, "gemm_r16_onednn: a BF16 r16 weight, bf16 rows");
+  const int64_t M = x.size(0), bn = std::max<int64_t>(16, std::min(kn.gemm_block_n, W.N) / 16 * 16);
+  at::Tensor out = at::empty({M, W.N}, out_dtype);
+  at::Tensor wb = at::empty({bn, W.K}, at::kBFloat16);
+  uint16_t* const o = reinterpret_cast<uint16_t*>(wb.data_ptr());
+  for (int64_t n0 = 0; n0 < W.N; n0 += bn) {
+    const int64_t n1 = std::min(W.N, n0 + bn);
+    at::parallel_for(n0 / 16, n1 / 16, 1, [&](int64_t s, int64_t e) {
+      r16_rows_bf16(W, s * 16, e * 16, o + (s * 16 - n0) * W.K);
+    });
+    out.narrow(1, n0, n1 - n0).copy_(at::linear(x, wb.narrow(0, 0, n1 - n0)));
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------ FMA register tiles (cpu_unpack_gemm=fma)
 //
 // C[6, 16] = A[6, K] · P[K, 16] for one panel P of 16 weight rows unpacked to float32 and laid out
@@ -704,6 +765,10 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     note_used(amx_used(amx));
     return gemm_tiles_run(x_act, W, amx, amx_opts(kn));
   }
+  if (W.fmt == kBF16R16) {  // from r16_onednn_min_tokens (gemm_from): oneDNN on the rows restored from r16
+    note_used(kUsedOnednn | kUsedR16);
+    return gemm_r16_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
+  }
   if (W.fmt == kBF16 && bf16_gemm_onednn(kn, W.act_bf16)) {  // torch's bf16 linear (oneDNN), bf16 output
     note_used(kUsedOnednn);
     return at::linear(x_act.to(at::kBFloat16), bf16_weight(W)).to(at::kFloat);
@@ -772,6 +837,10 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     // float32 copy either way
     note_used(amx_used(amx));
     return gemm_tiles_run(x.contiguous(), W, amx, amx_opts(kn), true);
+  }
+  if (gemm && W.fmt == kBF16R16) {  // bf16 rows (gemm_from): oneDNN on the restored rows, a bf16 output
+    note_used(kUsedOnednn | kUsedR16);
+    return gemm_r16_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
   if (gemm && W.fmt == kBF16 && W.act_bf16 && bf16_gemm_onednn(kn, true)) {
     // torch's bf16 linear on the caller's bf16 rows, its bf16 output returned as is: no float32 copy

@@ -123,14 +123,18 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // model (kTilesDotModel) or vpmaddubsw (kTilesMaddubs); activations quantized to int8 per (token,
 // group) inside (amx.cpp).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
+// x (bf16) × a BF16 r16 weight through torch's bf16 linear (oneDNN): cpu_gemm_block_n rows at a time restored
+// from r16 into one reused row-major buffer (matmul.cpp); out_dtype: float32 or bf16.
+at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs& kn, at::ScalarType out_dtype);
 // From how many activation rows a weight takes the GEMM path: dot_gemm_min_tokens where its GEMM runs a
 // dot-product engine here (no float32 unpack: it wins from fewer rows; FP8 excepted, whose blocks are
 // expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
 // (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
 // any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
-// amx_min_tokens at the latest. r16 weights: never.
+// amx_min_tokens at the latest. r16 weights: never, but BF16 r16 with bf16 activations from
+// r16_onednn_min_tokens (oneDNN on its rows restored block by block: gemm_r16_onednn).
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
-  if (is_r16(W.fmt)) return INT64_MAX;  // r16: every token count on its sweep (no GEMM path reads it)
+  if (is_r16(W.fmt)) return W.fmt == kBF16R16 && W.act_bf16 ? kn.r16_onednn_min_tokens : INT64_MAX;
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
