@@ -160,12 +160,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "each group of cpu_r16_tokens running over all of K on them (the first group's rows from memory, "
          "the later groups' from L2). `small` on an AMD Zen 5 VM against row-major BF16, 64 / 32 / 16: "
          "x1.40 / x1.35 / x1.06 at 128 tokens, x1.43 / x1.29 at 512", choices=(16, 32, 64)),
-    Knob("cpu_r16_next_prefetch", str, "none", "kernels/cpu",
+    Knob("cpu_r16_next_prefetch", str, "t1", "kernels/cpu",
          "CPU linear and fused MoE on r16 weights, a sweep of several token groups: the cache level into which a row "
          "tile's second group (its rows already cached by the first) prefetches the next tile's rows, so "
          "they stream from memory while it computes (the later groups prefetch nothing), or none (every "
          "group prefetches its own rows as the first does, cpu_prefill_prefetch_hint). `small` at 128 tokens "
-         "on an AMD Zen 5 VM: t1 x1.02 none at 6 tokens per tile, none x1.03 t1 at 12",
+         "on an AMD Zen 5 VM: t1 x1.02 none at 6 tokens per tile, none x1.03 t1 at 12. AMD Zen 4 VM, t1 against none "
+         "(the later groups' tiles built without prefetch code): BF16 linear [11264, 2048] at 512 tokens x1.06-1.08 "
+         "(x1.03 torch's oneDNN), fused MoE `small` BF16 x1.07 at 128 and 512 tokens, INT8 x0.99 / x1.11-1.13, "
+         "INT4 x1.00",
          choices=("t0", "t1", "t2", "none")),
     Knob("cpu_r16_tokens", int, 12, "kernels/cpu",
          "CPU linear and fused MoE on INT8, INT4 and FP8 r16 weights (BF16: cpu_r16_bf16_tokens): tokens per register "

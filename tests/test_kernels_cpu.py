@@ -1210,3 +1210,33 @@ def test_fp8_r16_layout_resolution_and_refusals():
         cpu._ext.linear(torch.randn(2, 256), cpu.F8R16_ID, torch.zeros(32, 256, dtype=torch.uint8), 32, 256,
                         torch.ones(4, 2), cpu._EMPTY, 128, 8, cpu.make_knobs())
     assert not cpu.moe_formats_match(cpu.F8R16_ID, cpu.R16_ID) and cpu.moe_formats_match(cpu.F8R16_ID, cpu.FORMAT_IDS["fp8"])
+
+
+# (T, N, K): one token; a part task (cpu_linear_block_n 64: 112 = 64 + 48); tokens over several tasks and groups
+BF16_OUT = {"t1": (1, 112, 256), "t7": (7, 64, 384), "t70": (70, 208, 256)}
+
+
+@pytest.mark.parametrize("layout", ["rows", "r16"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4_g128", "int4_g128_asym", "fp8"])
+@pytest.mark.parametrize("case", sorted(BF16_OUT))
+def test_linear_on_bf16_rows_rounds_as_the_float32_path(case, fmt, layout):
+    """bf16 rows in, bf16 rows out: the microkernel sweep rounds each task's float32 outputs to bf16 from a scratch
+    in cache (gemv_rows_bf16): the same bits at every task size, and the float32 path's [T, N] output rounded
+    afterwards where that path multiplies the same activation values (not BF16 / FP8 r16 weights, whose float32
+    rows may run the FMA tiles on float32 activations)."""
+    t, n, k = BF16_OUT[case]
+    g = torch.Generator().manual_seed(t * n + k)
+    w = make_weight(torch.randn(n, k, generator=g) * 0.05, fmt)
+    p = cpu.prepare(w, layout=layout)
+    xb = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    same_acts = layout == "rows" or fmt.startswith("int")
+    first = None
+    for knobs in ({}, {"cpu_linear_block_n": 16}, {"cpu_linear_block_n": 1024}):
+        knobs = {**knobs, "cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096}
+        got = cpu.linear(xb, p, knobs=knobs)
+        assert got.dtype == torch.bfloat16 and got.shape == (t, n)
+        first = got if first is None else first
+        assert torch.equal(got, first), (case, fmt, layout, knobs)
+        if same_acts:
+            assert torch.equal(got, cpu.linear(xb.float(), p, knobs=knobs).to(torch.bfloat16)), (case, fmt, layout, knobs)
+    check(got, reference.linear(xb, w), INT4_INT8 if fmt.startswith("int4") else BF16_LINEAR, f"bf16 out {case} {fmt} {layout}")

@@ -527,6 +527,26 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
   }
 }
 
+// gemv_rows with a bf16 output (the caller's rows are bf16: linear): each task sweeps its rows into a float32
+// scratch of [M, its rows] (dense, in cache: no [M, N] float32 array in memory, no second pass over one) and
+// rounds it into out, nearest even as at::Tensor::to does (to_bf16).
+static void gemv_rows_bf16(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, uint16_t* out,
+                           int64_t ldo, const Knobs& kn) {
+  const int64_t unit = is_r16(W.fmt) ? 16 : kn.micro_rows;
+  const int64_t bn = ((kn.linear_block_n + unit - 1) / unit) * unit;
+  const int64_t tiles = (W.N + bn - 1) / bn;
+#pragma omp parallel if (tiles > 1)
+  {
+    std::vector<float> scratch((size_t)(M * std::min(bn, W.N)));
+#pragma omp for schedule(dynamic, kn.task_chunk)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n0 = t * bn, n1 = std::min(W.N, n0 + bn), w = n1 - n0;
+      micro_sweep(W, A, tok, M, n0, n1, scratch.data(), w, kn, nullptr);
+      for (int64_t m = 0; m < M; ++m) to_bf16(scratch.data() + m * w, w, out + m * ldo + n0);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ unpack + BLAS path
 
 void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
@@ -863,9 +883,14 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     return out;
   }
   note_micro(W);
-  at::Tensor out = at::empty({M, N}, at::kFloat);
   std::vector<int64_t> tok(M);
   for (int64_t m = 0; m < M; ++m) tok[m] = m;
+  if (x.scalar_type() == at::kBFloat16) {  // bf16 rows in, bf16 rows out, rounded per task from cache
+    at::Tensor out = at::empty({M, N}, at::kBFloat16);
+    gemv_rows_bf16(W, p.view(), tok.data(), M, reinterpret_cast<uint16_t*>(out.data_ptr()), N, kn);
+    return out;
+  }
+  at::Tensor out = at::empty({M, N}, at::kFloat);
   gemv_rows(W, p.view(), tok.data(), M, out.data_ptr<float>(), N, kn, true);
   return out;
 }
