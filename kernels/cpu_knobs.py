@@ -155,6 +155,11 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "one token group (decode): rows per register tile (16 per contiguous stream). AMD Zen 5 VM against "
          "row-major BF16 at T=1, 16 / 32 / 64: fused MoE `small` x1.13-1.17 / x1.07-1.11 / x1.03, linear "
          "[32000, 2048] x1.11 / x1.16 / x1.20, [11264, 2048] x1.13 / x1.36 (64: not measured)", choices=(16, 32, 64)),
+    Knob("cpu_r16_int4_rows", int, 16, "kernels/cpu",
+         "CPU linear and fused MoE on INT4 r16 weights, a sweep of one token group (decode): rows per register tile, "
+         "as cpu_r16_rows for the other formats. AMD Zen 4 VM, fused MoE at T=1 (python -m suites.moe_ab), 16 / 32 / "
+         "64: `small` 0.96-1.10 / 1.11-1.30 / 1.20 ms (INT8 on 32: 1.64-1.75 ms), V3 7.35 / 7.54 ms; AMD Zen 5 VM "
+         "(session 24): 16 x1.08 32 on `small`", choices=(16, 32, 64)),
     Knob("cpu_r16_prefill_rows", int, 64, "kernels/cpu",
          "CPU linear and fused MoE on r16 weights, a sweep of several token groups (prefill): rows per register tile, "
          "each group of cpu_r16_tokens running over all of K on them (the first group's rows from memory, "
