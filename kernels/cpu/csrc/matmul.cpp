@@ -48,9 +48,13 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 
 static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 || fmt == kBF16R16 ? 2 : 1; }  // int8 r16: 1
 
-// Bytes ahead a microkernel's weight prefetch reads (knobs cpu_prefetch_ahead, cpu_prefill_prefetch_ahead): at
-// most a row; 0 or more than a row: the next tile's rows at the offset read.
-static int64_t prefetch_distance(int64_t ahead, int64_t row_bytes) { return ahead == 0 || ahead > row_bytes ? row_bytes : ahead; }
+// Bytes ahead a microkernel's weight prefetch reads (knobs cpu_prefetch_ahead, cpu_prefill_prefetch_ahead) in the
+// stream it reads: at most a row (row-major weights), or a 16-row block (r16: a block is one contiguous stream);
+// 0 or more than that: the same offset one row (r16: block) on, the next tile's.
+static int64_t prefetch_distance(int64_t ahead, const WeightView& W) {
+  const int64_t stream = is_r16(W.fmt) ? 16 * W.row_bytes : W.row_bytes;
+  return ahead == 0 || ahead > stream ? stream : ahead;
+}
 
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
                           const at::Tensor& zero, int64_t group, int64_t block_n, const Knobs& kn, bool act_bf16) {
@@ -70,7 +74,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.int4_i8 = (fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0) || fmt == kInt4R16;
   v.int4_int = fmt == kInt4 && !v.int4_i8 && kn.int4_method != kInt4Float && group % 64 == 0;
   v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
-  v.prefetch_dist = prefetch_distance(kn.prefetch_ahead, v.row_bytes);
+  v.prefetch_dist = prefetch_distance(kn.prefetch_ahead, v);
   v.prefetch_hint = kn.prefetch_hint;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
@@ -395,7 +399,7 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   WeightView Ws = W;
   if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
     Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;
-    Ws.prefetch_dist = prefetch_distance(kn.prefill_prefetch_ahead, W.row_bytes);
+    Ws.prefetch_dist = prefetch_distance(kn.prefill_prefetch_ahead, W);
   }
   const unsigned csr = _mm_getcsr();
   if (policy == kDotBf16Model) _mm_setcsr(csr | 0x8040u);  // the instruction's DAZ + FTZ (micro_sweep)
@@ -482,7 +486,7 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   // later groups) prefetches its weight rows as they say instead of cpu_prefetch_hint / _ahead (same: as those)
   if (ng > 1 && kn.prefill_prefetch_hint != kPrefillSame) {
     Ws.prefetch_hint = (int)kn.prefill_prefetch_hint;
-    Ws.prefetch_dist = prefetch_distance(kn.prefill_prefetch_ahead, W.row_bytes);
+    Ws.prefetch_dist = prefetch_distance(kn.prefill_prefetch_ahead, W);
   }
   // cpu_micro_order=tiles_next: a tile's second token group prefetches the next tile's rows at the offset
   // it reads (a whole tile ahead), so the next rows stream in while the later groups compute from L1; the
