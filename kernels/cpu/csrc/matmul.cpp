@@ -49,11 +49,12 @@ MicroFn get_micro(int fmt, int rows, int tokens) {
 static int64_t elem_bytes(int fmt) { return fmt == kF32 ? 4 : fmt == kBF16 || fmt == kBF16R16 ? 2 : 1; }  // int8 r16: 1
 
 // Bytes ahead a microkernel's weight prefetch reads (knobs cpu_prefetch_ahead, cpu_prefill_prefetch_ahead) in the
-// stream it reads: at most a row (row-major weights), or a 16-row block (r16: a block is one contiguous stream);
-// 0 or more than that: the same offset one row (r16: block) on, the next tile's.
+// stream it reads: at most a row (row-major weights: more than a row or 0, the same offset one row on, the next
+// tile's), or a 16-row block (r16, whose block is one contiguous stream: more than that, the next block at the same
+// offset; 0, one row's bytes).
 static int64_t prefetch_distance(int64_t ahead, const WeightView& W) {
   const int64_t stream = is_r16(W.fmt) ? 16 * W.row_bytes : W.row_bytes;
-  return ahead == 0 || ahead > stream ? stream : ahead;
+  return ahead == 0 ? W.row_bytes : std::min(ahead, stream);
 }
 
 StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& scale,
