@@ -195,7 +195,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU linear and fused MoE on BF16 r16 weights: tokens per register tile, as cpu_r16_tokens for the other r16 "
          "formats (each token's bf16 pair is broadcast once per step for the tile's blocks: 4 blocks x 6 tokens "
          "broadcast half as often as 2 x 12). AMD Zen 4 VM (AVX-512 on 256-bit units), 6 against 12: linear "
-         "[11264, 2048] x1.45 at 512 tokens, fused MoE `small` x1.07; Zen 5 (session 23, cpu_r16_tokens' figures): "
+         "[11264, 2048] x1.39 at 512 tokens (68.9 against 95.8 ms), fused MoE `small` x1.07; Zen 5 (session 23, "
+         "cpu_r16_tokens' figures): "
          "x0.98 at 512, x0.90-0.93 at 128",
          low=1, high=12),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
