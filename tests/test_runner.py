@@ -125,6 +125,17 @@ def test_serial_threshold_changes_no_bit():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_prefetch_knobs_change_no_bit():
+    """The runner's head projections (and the kernels) prefetch as cpu_prefetch_ahead / cpu_prefetch_hint say:
+    every value gives the same logits."""
+    prompts, feeds = [list(range(2, 30)), list(range(40, 49))], [[3, 4], [5, 6]]
+    outs = [teacher_forced(LLM("tiny", dtype="bfloat16", progress=False,
+                                knobs={"graph_mode": "cpp", "threads": 2, "cpu_prefetch_ahead": a, "cpu_prefetch_hint": h}),
+                           prompts, feeds)
+            for a, h in ((2048, "t2"), (0, "t0"), (64, "t1"), (4096, "none"))]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_kernel_table_and_command_line_knobs_reach_the_runner():
     tables = {"linear": [{"format": "bf16", "tokens": 1, "cpu_linear_block_n": 16}],
               "cpu_mla_decode": [{"format": "bf16", "batch": 1, "context": 8, "cpu_attn_kv_splits": 3}]}

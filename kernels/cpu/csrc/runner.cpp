@@ -500,10 +500,12 @@ class DecodeRunner {
   // stride hs; wt [H, nb, A, bw] from load_head_weight (converted in registers); float32 sums, rounded to
   // the model dtype, written at out + (t * H + h) * ldo. Per input a, the bw outputs of a block take one
   // broadcast of x[a]: no horizontal sums, each output summed over a in order (one bmm's order). A task
-  // is one (head, block): one contiguous stream, whose rows prefetch the same row of the next block (the
-  // task this thread takes next under the static schedule), as the microkernels prefetch their next tile.
+  // is one (head, block): one contiguous stream, which the microkernels' prefetch knobs (kn: the attention
+  // site's) prefetch: cpu_prefetch_ahead bytes ahead in it into the level cpu_prefetch_hint says, running on
+  // into the next block (the task this thread takes next under the static schedule); 0: the same row of the
+  // next block.
   void head_linear(const float* x, int64_t T, int64_t A, int64_t hs, const at::Tensor& wt, int64_t B, float* out,
-                   int64_t ldo) {
+                   int64_t ldo, const Knobs& kn) {
     const auto t0 = tic();
     const int64_t H = wt.size(0), nb = wt.size(1), bw = wt.size(3);
     TORCH_CHECK(H == H_ && wt.size(2) == A && nb * bw >= B && bw <= kHeadBlock, "runner: head weight shape");
@@ -511,6 +513,8 @@ class DecodeRunner {
     const int64_t esz = wbf ? 2 : 4, row = bw * esz, blk = A * row;
     const uint8_t* wp = static_cast<const uint8_t*>(wt.data_ptr());
     const bool par = !serial((int64_t)wt.nbytes()) && omp_get_max_threads() > 1;
+    const int64_t ahead = kn.prefetch_ahead == 0 ? blk : std::min<int64_t>(kn.prefetch_ahead, blk);
+    const int hint = kn.prefetch_hint;
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t task = 0; task < H * nb; ++task) {
       const int64_t h = task / nb, b0 = (task % nb) * bw, nout = std::min(bw, B - b0);
@@ -523,7 +527,12 @@ class DecodeRunner {
         for (int64_t a = 0; a < A; ++a) {
           const __m512 xa = _mm512_set1_ps(xr[a]);
           const uint8_t* r = wb + a * row;
-          for (int64_t l = 0; l < row; l += 64) _mm_prefetch(reinterpret_cast<const char*>(r + blk + l), _MM_HINT_T0);
+          for (int64_t l = 0; l < row; l += 64) {  // the hint is the same on every step (a predicted branch)
+            const char* q = reinterpret_cast<const char*>(r + ahead + l);
+            if (hint == kPrefetchT0) asm volatile("prefetcht0 (%0)" : : "r"(q));
+            else if (hint == kPrefetchT1) asm volatile("prefetcht1 (%0)" : : "r"(q));
+            else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(q));
+          }
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
             if (i >= nv) break;
@@ -578,7 +587,7 @@ class DecodeRunner {
       }
       toc(pRope, t0);
     }
-    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, R_, qcat_.data(), W);  // q_lat = W_UKᵀ q_nope
+    head_linear(q_.data(), T, Nn_, Dq, L.w_uk, R_, qcat_.data(), W, kn[kAttn]);  // q_lat = W_UKᵀ q_nope
     const auto t0 = tic();
     at::Tensor out_lat;
     {
@@ -593,7 +602,7 @@ class DecodeRunner {
     float* ol = out_lat.data_ptr<float>();  // [T, H, R]
     round_all(ol, T * H_ * R_);
     oin_.resize(T * H_ * V_);
-    head_linear(ol, T, R_, R_, L.w_uv, V_, oin_.data(), V_);  // [T, H, V]
+    head_linear(ol, T, R_, R_, L.w_uv, V_, oin_.data(), V_, kn[kAttn]);  // [T, H, V]
     a_.resize(T * D_);
     linear(L.o, oin_.data(), T, a_.data(), kn[kO], bf_, pLinAttn, i, kO);
     round_all(a_.data(), T * D_);
