@@ -177,6 +177,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "(x1.03 torch's oneDNN), fused MoE `small` BF16 x1.07 at 128 and 512 tokens, INT8 x0.99 / x1.11-1.13, "
          "INT4 x1.00",
          choices=("t0", "t1", "t2", "none")),
+    Knob("cpu_r16_tile_blocks", str, "adjacent", "kernels/cpu",
+         "CPU linear and fused MoE on r16 weights: the 16-row blocks of a register tile, adjacent (a sweep's tiles "
+         "each start a new set of streams), or spread (tile j takes blocks j, j + S, ... with S = the sweep's blocks "
+         "/ the tile's, so each stream runs on through S consecutive blocks), as cpu_tile_rows for row-major weights. "
+         "AMD Zen 4 VM (python -m suites.moe_ab, spread against adjacent): fused MoE at T=1 INT8 `small` x1.03 / x1.03, "
+         "V3 x0.99, BF16 x1.02, INT4 on 32 rows spread x1.01-1.03 the 16-row default; at 128 tokens BF16 x0.97, "
+         "INT8 x1.01: hence adjacent by default",
+         choices=("adjacent", "spread")),
     Knob("cpu_r16_tokens", int, 12, "kernels/cpu",
          "CPU linear and fused MoE on INT8, INT4 and FP8 r16 weights (BF16: cpu_r16_bf16_tokens): tokens per register "
          "tile (the rest of a sweep's tokens in one "

@@ -130,6 +130,7 @@ struct WeightView {
   // tile's line at the offset read (knob cpu_prefetch_ahead 0, or a row no longer than it). Set by make_weight
   int64_t prefetch_dist = 0;
   int prefetch_hint = 0;         // PrefetchHint (knob cpu_prefetch_hint). Set by make_weight
+  int64_t r16_stride = 1;        // r16 tiles: blocks of a tile this many blocks apart (r16_sweep, cpu_r16_tile_blocks)
   int64_t tile_stride = 1;       // rows between a register tile's rows (micro_sweep: 1, or rows / R when spread)
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
@@ -160,6 +161,7 @@ struct Knobs {
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t r16_onednn_min_tokens = 0;  // from this many rows, BF16 r16 linears (bf16 activations) run oneDNN on rows restored
+  TileRows r16_tile_blocks = (TileRows)-1;  // r16 tiles' blocks adjacent or spread (r16_sweep)
   int64_t r16_bf16_tokens = 0;   // tokens per BF16 r16 register tile (cpu_r16_tokens: the other r16 formats')
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
   int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups; gemm_fma: per pass

@@ -150,7 +150,7 @@ void Knobs::check() const {
   TORCH_CHECK((r16_rows == 16 || r16_rows == 32 || r16_rows == 64) &&
                   (r16_int4_rows == 16 || r16_int4_rows == 32 || r16_int4_rows == 64) &&
                   (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
-                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
+                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
               "r16_rows, r16_int4_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_next_prefetch set");
 }
 
@@ -412,10 +412,17 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   Wn.prefetch_hint = kn.r16_next_prefetch;
   Wq.prefetch_hint = kPrefetchNone;
   const int64_t blocks = (n1 - n0) / 16;
-  for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
+  // cpu_r16_tile_blocks=spread: tile j takes blocks j, j + S, j + 2S, ... (S = blocks / RB), so each of its RB
+  // streams runs on through S consecutive blocks (the sweep's rows in RB long streams instead of a new set of RB
+  // every tile); where the blocks split into RB parts of at least 2
+  const int64_t S = kn.r16_tile_blocks == kTileSpread && RB > 1 && blocks % RB == 0 && blocks / RB >= 2 ? blocks / RB : 1;
+  Ws.r16_stride = Wn.r16_stride = Wq.r16_stride = S;
+  const int64_t tiles = S > 1 ? S : (blocks + RB - 1) / RB, tstep = S > 1 ? 1 : RB;
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t b0 = j * tstep;
     const int rb = (int)std::min<int64_t>(RB, blocks - b0);
     const uint8_t* own = W.w + (n0 + 16 * b0) * W.row_bytes;
-    const uint8_t* nxt = own + 16 * rb * W.row_bytes;
+    const uint8_t* nxt = own + 16 * tstep * W.row_bytes;
     for (int64_t m0 = 0, q = 0; m0 < M; m0 += MT, ++q) {
       const int mt = (int)std::min<int64_t>(MT, M - m0);
       const WeightView& Wv = q == 0 || !ahead ? Ws : q == 1 ? Wn : Wq;
