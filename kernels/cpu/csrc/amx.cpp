@@ -115,34 +115,6 @@ void maddubs_block(const uint8_t* a, int64_t kbytes, int64_t u0, int64_t u1, con
 // Pack rows [n0, n0 + 32) of W (row_bytes bytes used of each, kbytes = the padded K in bytes) into
 // B tiles: dst[kt][h] is 16 × 64 bytes, tile row kk holding for output row n0 + 16h + n the 4 bytes
 // at byte offset 64·kt + 4·kk of that row (zeros past N or past the row's data).
-// 16 rows of 64 bytes (src[n] + off) as a 16 × 16 matrix of 32-bit units, transposed into 16 rows of
-// 64 bytes at dst (row kk = unit kk of every source row): unpack 32-bit, unpack 64-bit, then two
-// rounds of 128-bit lane shuffles.
-inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst) {
-  __m512i r[16], t[16];
-  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + off);
-  for (int n = 0; n < 16; n += 2) {
-    t[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
-    t[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
-  }
-  // u[4g + c], per 128-bit lane L: unit 4L + c of rows 4g .. 4g + 3
-  for (int g = 0; g < 4; ++g) {
-    const __m512i* q = t + 4 * g;
-    r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
-    r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
-    r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
-    r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // output row 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
-    const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    _mm512_storeu_si512(dst + (0 + c) * 64, _mm512_shuffle_i32x4(s0, s2, 0x88));
-    _mm512_storeu_si512(dst + (4 + c) * 64, _mm512_shuffle_i32x4(s0, s2, 0xDD));
-    _mm512_storeu_si512(dst + (8 + c) * 64, _mm512_shuffle_i32x4(s1, s3, 0x88));
-    _mm512_storeu_si512(dst + (12 + c) * 64, _mm512_shuffle_i32x4(s1, s3, 0xDD));
-  }
-}
-
 void pack_b(const WeightView& W, int64_t n0, int64_t data_bytes, int64_t kbytes, uint8_t* dst) {
   const int64_t ktiles = kbytes / 64;
   // whole blocks: 16 × 16 transposes in registers for every K tile inside the rows' data; the

@@ -196,6 +196,44 @@ inline float hsum8(__m256 v) {
 
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
+// 16 rows of 64 bytes (src[n] + off) as a 16 × 16 matrix of 32-bit units, transposed into 16 rows of
+// 64 bytes at dst, dst_ld bytes apart (row kk = unit kk of every source row; amx.cpp's B tiles, matmul.cpp's
+// rows restored from r16): unpack 32-bit, unpack 64-bit, then two
+// rounds of 128-bit lane shuffles.
+inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst, int64_t dst_ld = 64) {
+  __m512i r[16], t[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + off);
+  for (int n = 0; n < 16; n += 2) {
+    t[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
+    t[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
+  }
+  // u[4g + c], per 128-bit lane L: unit 4L + c of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* q = t + 4 * g;
+    r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // output row 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(dst + (0 + c) * dst_ld, _mm512_shuffle_i32x4(s0, s2, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * dst_ld, _mm512_shuffle_i32x4(s0, s2, 0xDD));
+    _mm512_storeu_si512(dst + (8 + c) * dst_ld, _mm512_shuffle_i32x4(s1, s3, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * dst_ld, _mm512_shuffle_i32x4(s1, s3, 0xDD));
+  }
+}
+
+// One line into the cache level `hint` says (PrefetchHint; kPrefetchNone: nothing): the r16 tiles' and the decode
+// runner's head projections' software prefetch. Inline assembly, the address in a register, as prefetch_row's
+// (micro.h: GCC dropped _mm_prefetch of a chosen address); a hint the same on every step is a predicted branch.
+inline void prefetch_line(const void* line, int hint) {
+  if (hint == kPrefetchT0) asm volatile("prefetcht0 (%0)" : : "r"(line));
+  else if (hint == kPrefetchT1) asm volatile("prefetcht1 (%0)" : : "r"(line));
+  else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(line));
+}
+
 // 16 float32 lanes rounded to bfloat16 (nearest even; finite values: attention's queries and
 // probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16).
 inline __m256i bf16x16(__m512 x) {

@@ -422,7 +422,7 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
     const int64_t b0 = j * tstep;
     const int rb = (int)std::min<int64_t>(RB, blocks - b0);
     const uint8_t* own = W.w + (n0 + 16 * b0) * W.row_bytes;
-    const uint8_t* nxt = own + 16 * tstep * W.row_bytes;
+    const uint8_t* nxt = own + 16 * (S > 1 ? 1 : rb) * W.row_bytes;  // the next tile's first rows
     for (int64_t m0 = 0, q = 0; m0 < M; m0 += MT, ++q) {
       const int mt = (int)std::min<int64_t>(MT, M - m0);
       const WeightView& Wv = q == 0 || !ahead ? Ws : q == 1 ? Wn : Wq;
@@ -529,11 +529,15 @@ void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t 
   if (csr_bits) _mm_setcsr(csr);
 }
 
+// A linear's parallel tasks: cpu_linear_block_n rows each, rounded up to whole microkernel tiles (r16: 16-row blocks)
+static int64_t task_rows(const WeightView& W, const Knobs& kn) {
+  const int64_t unit = is_r16(W.fmt) ? 16 : kn.micro_rows;
+  return ((kn.linear_block_n + unit - 1) / unit) * unit;
+}
+
 void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, float* out, int64_t ldo,
                const Knobs& kn, bool parallel) {
-  const int64_t unit = is_r16(W.fmt) ? 16 : kn.micro_rows;  // r16: tasks in whole 16-row blocks
-  const int64_t bn = ((kn.linear_block_n + unit - 1) / unit) * unit;
-  const int64_t tiles = (W.N + bn - 1) / bn;
+  const int64_t bn = task_rows(W, kn), tiles = (W.N + bn - 1) / bn;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk) if (parallel && tiles > 1)
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n0 = t * bn, n1 = std::min(W.N, n0 + bn);
@@ -546,9 +550,7 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
 // rounds it into out, nearest even as at::Tensor::to does (to_bf16).
 static void gemv_rows_bf16(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, uint16_t* out,
                            int64_t ldo, const Knobs& kn) {
-  const int64_t unit = is_r16(W.fmt) ? 16 : kn.micro_rows;
-  const int64_t bn = ((kn.linear_block_n + unit - 1) / unit) * unit;
-  const int64_t tiles = (W.N + bn - 1) / bn;
+  const int64_t bn = task_rows(W, kn), tiles = (W.N + bn - 1) / bn;
 #pragma omp parallel if (tiles > 1)
   {
     std::vector<float> scratch((size_t)(M * std::min(bn, W.N)));
@@ -628,43 +630,17 @@ at::Tensor gemm_fp8_onednn(const at::Tensor& x, const WeightView& W, const Knobs
 static void r16_rows_bf16(const WeightView& W, int64_t r0, int64_t r1, uint16_t* dst) {
   const int64_t U = W.K / 2;
   for (int64_t b = r0 / 16; b < r1 / 16; ++b) {
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(W.w + b * 16 * W.row_bytes);
+    const uint8_t* src = W.w + b * 16 * W.row_bytes;  // unit u of the block's 16 rows: 64 bytes at src + 64u
     uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (b * 16 - r0) * U;
     const int64_t u16 = U & ~int64_t(15);
-    for (int64_t u0 = 0; u0 < u16; u0 += 16) {  // a 16 × 16 transpose of 32-bit units in registers
-      __m512i a[16], t[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_loadu_si512((const void*)(src + (u0 + j) * 16));
-#pragma GCC unroll 8
-      for (int j = 0; j < 16; j += 2) {
-        t[j] = _mm512_unpacklo_epi32(a[j], a[j + 1]);
-        t[j + 1] = _mm512_unpackhi_epi32(a[j], a[j + 1]);
-      }
-#pragma GCC unroll 4
-      for (int j = 0; j < 16; j += 4) {
-        a[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-        a[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-        a[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-        a[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-      }
-#pragma GCC unroll 2
-      for (int h = 0; h < 16; h += 8)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          t[h + j] = _mm512_shuffle_i32x4(a[h + j], a[h + j + 4], 0x88);
-          t[h + j + 4] = _mm512_shuffle_i32x4(a[h + j], a[h + j + 4], 0xdd);
-        }
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        a[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        a[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-      }
-      // a[r]: row r's 16 units
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(d + j * U + u0), a[j]);
+    for (int64_t u0 = 0; u0 < u16; u0 += 16) {
+      const uint8_t* units[16];
+      for (int j = 0; j < 16; ++j) units[j] = src + (u0 + j) * 64;
+      transpose16_u32(units, 0, reinterpret_cast<uint8_t*>(d + u0), U * 4);  // row r: its 16 units
     }
+    const uint32_t* s32 = reinterpret_cast<const uint32_t*>(src);
     for (int64_t u = u16; u < U; ++u)
-      for (int r = 0; r < 16; ++r) d[r * U + u] = src[u * 16 + r];
+      for (int r = 0; r < 16; ++r) d[r * U + u] = s32[u * 16 + r];
   }
 }
 

@@ -14,14 +14,14 @@ namespace {
 
 struct F32Fma {};  // no dot instruction: float32 FMAs on each pair's two halves against float activations
 
-// One line of a block's stream into the cache level `hint` says (PrefetchHint; kPrefetchNone: nothing). The
-// hint is the same on every step of a tile (a predicted branch), as prefetch_row's.
-MOETUNE_INLINE void r16_prefetch(const uint8_t* line, int hint) {
-  const char* q = reinterpret_cast<const char*>(line);
-  if (hint == kPrefetchT0) asm volatile("prefetcht0 (%0)" : : "r"(q));
-  else if (hint == kPrefetchT1) asm volatile("prefetcht1 (%0)" : : "r"(q));
-  else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(q));
-}
+// A tile as R16Fn: its body with the prefetch code where W's hint asks for a prefetch, else without
+#define MOETUNE_R16_TILE(NAME, ATTR)                                                                   \
+  template <class P, int RB, int MT>                                                                   \
+  ATTR void NAME(const WeightView& W, int64_t r0, const Act& A, const int64_t* tok, float* out, int64_t ldo, \
+                 const uint8_t* pf) {                                                                   \
+    if (W.prefetch_hint == kPrefetchNone) NAME##_body<P, RB, MT, false>(W, r0, A, tok, out, ldo, pf);  \
+    else NAME##_body<P, RB, MT, true>(W, r0, A, tok, out, ldo, pf);                                   \
+  }
 
 #define MOETUNE_DOT_NS dot_hw
 #define MOETUNE_R16_ATTR MOETUNE_TARGET_BF16

@@ -527,12 +527,7 @@ class DecodeRunner {
         for (int64_t a = 0; a < A; ++a) {
           const __m512 xa = _mm512_set1_ps(xr[a]);
           const uint8_t* r = wb + a * row;
-          for (int64_t l = 0; l < row; l += 64) {  // the hint is the same on every step (a predicted branch)
-            const char* q = reinterpret_cast<const char*>(r + ahead + l);
-            if (hint == kPrefetchT0) asm volatile("prefetcht0 (%0)" : : "r"(q));
-            else if (hint == kPrefetchT1) asm volatile("prefetcht1 (%0)" : : "r"(q));
-            else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(q));
-          }
+          for (int64_t l = 0; l < row; l += 64) prefetch_line(r + ahead + l, hint);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
             if (i >= nv) break;
