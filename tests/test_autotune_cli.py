@@ -77,8 +77,10 @@ def test_interrupt_resume_profile_report(tmp_path):
 
     knobs, defaults = tomllib.loads(profile.read_text())["knobs"], resolve_knobs()
     assert set(knobs) <= set(CATALOGUE) and all(defaults[k] != v for k, v in knobs.items())
-    # only what the tiny mix observes; never a serving limit (a latency objective)
-    assert set(knobs) <= {"threads", "kv_block_size", "chunked_prefill_size", "mla_absorb"}
+    # only what the tiny mix observes (the system tier's knobs, as its "tuning ..." line lists them); never a
+    # serving limit (a latency objective)
+    assert set(knobs) <= {"threads", "threads_prefill", "threads_decode", "kv_block_size", "chunked_prefill_size",
+                          "graph_mode", "mla_absorb"}
     assert bool(knobs) == meta["kept"]
     if meta["kept"]:
         assert set(meta["gain_by_point"]["tpot_s"]) == set(meta["workload"]["mix"])
