@@ -138,19 +138,21 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "[11264, 2048] x0.97 / x1.07 (32 / 16 rows per tile) at 1 token and x0.88 at 512 against rows (the INT4 "
          "VNNI GEMM there)",
          choices=("auto", "rows", "r16"), tune=False),
-    Knob("cpu_fp8_expert_layout", str, "rows", "kernels/cpu",
+    Knob("cpu_fp8_expert_layout", str, "auto", "kernels/cpu",
          "CPU kernels, FP8 E4M3 expert stacks (fused MoE), chosen at load: rows, or r16 (each 16 rows interleaved by "
          "4-byte unit of 4 fp8, repacked once in place: per unit one line per 16 rows turned into bf16 pairs in "
          "registers against each token's 4 activations broadcast, on vdpbf16ps for bf16 activations, else float32 "
          "FMAs on the exact values; the block scale per group; every token count on it, no GEMM path). auto: r16 "
          "where the CPU has AVX512-BF16 and no AMX, else rows. Scale blocks not of whole 16 rows, or rows not a "
-         "multiple of 32 (16 for a linear), stay rows. Default rows: on an AMD Zen 5 VM r16 prefilled `small` "
-         "x1.57 / x1.40 faster at 128 / 512 tokens but decoded (T=1) at x0.84-0.86 `small` and x0.92 V3 with "
-         "cpu_r16_rows 32 (x0.93-0.99 / x1.01 with 64), so it is a choice for prefill-heavy serving",
+         "multiple of 32 (16 for a linear), stay rows. r16 against rows, python -m suites.moe_ab (alternating): "
+         "AMD Zen 4 VM, decode tiles of 64 rows (cpu_r16_fp8_rows), T=1: `small` x1.01-1.28, V3 x1.03-1.38 (rows "
+         "run compute-bound at about 30 GB/s); 128 / 512 tokens x1.90 / x1.41. AMD Zen 5 VM (32 rows then): "
+         "prefill x1.57 / x1.40, decode x0.84-0.86 `small`, x0.92 V3 (x0.93-0.99 / x1.01 with 64)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_fp8_linear_layout", str, "rows", "kernels/cpu",
-         "CPU kernels, FP8 linears, chosen at load: rows, or r16 (as cpu_fp8_expert_layout, default rows likewise); "
-         "auto: r16 where the CPU has AVX512-BF16 and no AMX",
+         "CPU kernels, FP8 linears, chosen at load: rows, or r16 (as cpu_fp8_expert_layout); auto: r16 where the "
+         "CPU has AVX512-BF16 and no AMX. Default rows: r16 has no GEMM path; AMD Zen 4 VM, [11264, 2048] r16 "
+         "against rows x1.16 at T=1, x0.84 at 512 tokens (python -m suites.moe_ab --linear)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_r16_rows", int, 32, "kernels/cpu",
          "CPU linear and fused MoE on r16 weights (cpu_bf16_ / cpu_int8_ expert_layout and linear_layout), a sweep of "
@@ -162,6 +164,11 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "as cpu_r16_rows for the other formats. AMD Zen 4 VM, fused MoE at T=1 (python -m suites.moe_ab), 16 / 32 / "
          "64: `small` 0.96-1.10 / 1.11-1.30 / 1.20 ms (INT8 on 32: 1.64-1.75 ms), V3 7.35 / 7.54 ms; AMD Zen 5 VM "
          "(session 24): 16 x1.08 32 on `small`", choices=(16, 32, 64)),
+    Knob("cpu_r16_fp8_rows", int, 64, "kernels/cpu",
+         "CPU linear and fused MoE on FP8 r16 weights, a sweep of one token group (decode): rows per register tile, "
+         "as cpu_r16_rows for the other formats (each 16 rows one stream; more rows, more streams in flight). AMD "
+         "Zen 4 VM, fused MoE at T=1 (python -m suites.moe_ab, alternating), 32 / 64 rows: `small` x0.93 / x1.09 "
+         "INT8's speed, V3 x0.91 / x1.10 (FP8 on rows: x0.85 / x0.80)", choices=(16, 32, 64)),
     Knob("cpu_r16_prefill_rows", int, 64, "kernels/cpu",
          "CPU linear and fused MoE on r16 weights, a sweep of several token groups (prefill): rows per register tile, "
          "each group of cpu_r16_tokens running over all of K on them (the first group's rows from memory, "

@@ -699,8 +699,8 @@ def test_r16_one_stack_in_each_layout(layouts):
     assert rec[-1]["isa"].endswith("+r16")
 
 
-R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int4_rows", "cpu_r16_prefill_rows", "cpu_r16_tokens",
-                              "cpu_r16_bf16_tokens", "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
+R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows", "cpu_r16_prefill_rows",
+                              "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
                               "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
              for v in knob_samples(n)]
 
@@ -1194,7 +1194,8 @@ def test_fp8_r16_linear_and_one_stack_in_each_layout(case):
 def test_fp8_r16_layout_resolution_and_refusals():
     w13, _ = moe_weights(4, 64, 32, "fp8")
     names = ("cpu_fp8_expert_layout", "cpu_fp8_linear_layout")
-    assert all(cpu.KNOB_DEFAULTS[n] == "rows" for n in names)  # r16 by choice (the knobs' help: decode is slower)
+    # experts: r16 where AVX512-BF16 runs (auto); linears: rows by default (the GEMM path wins at prefill)
+    assert cpu.KNOB_DEFAULTS["cpu_fp8_expert_layout"] == "auto" and cpu.KNOB_DEFAULTS["cpu_fp8_linear_layout"] == "rows"
     try:
         cpu.configure({"cpu_fp8_expert_layout": "auto"})
         with cpu.feature_mask({"avx512_bf16"}):
