@@ -155,10 +155,17 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "against rows x1.16 at T=1, x0.84 at 512 tokens (python -m suites.moe_ab --linear)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_r16_rows", int, 32, "kernels/cpu",
-         "CPU linear and fused MoE on r16 weights (cpu_bf16_ / cpu_int8_ expert_layout and linear_layout), a sweep of "
-         "one token group (decode): rows per register tile (16 per contiguous stream). AMD Zen 5 VM against "
+         "CPU linear and fused MoE on BF16 r16 weights (cpu_bf16_expert_layout and linear_layout; INT8, INT4 and "
+         "FP8 have cpu_r16_int8_rows, _int4_rows, _fp8_rows), a sweep of one token group (decode): rows per "
+         "register tile (16 per contiguous stream). AMD Zen 4 VM, fused MoE T=1, 16 / 32 / 64: `small` x1.01 / "
+         "x1.00 / x1.00, V3 x1.01 / x1.00 / x0.96. AMD Zen 5 VM against "
          "row-major BF16 at T=1, 16 / 32 / 64: fused MoE `small` x1.13-1.17 / x1.07-1.11 / x1.03, linear "
          "[32000, 2048] x1.11 / x1.16 / x1.20, [11264, 2048] x1.13 / x1.36 (64: not measured)", choices=(16, 32, 64)),
+    Knob("cpu_r16_int8_rows", int, 64, "kernels/cpu",
+         "CPU linear and fused MoE on INT8 r16 weights, a sweep of one token group (decode): rows per register tile, "
+         "as cpu_r16_rows for BF16 (each 16 rows one stream: more rows, more streams in flight per core). AMD Zen 4 "
+         "VM, 64 against 32 rows (python -m suites.moe_ab, alternating, T=1): fused MoE `small` x1.06 / x1.06, V3 "
+         "x1.06 / x1.06; linear [11264, 2048] x1.12, [32000, 2048] x1.01, [2048, 1408] x1.07", choices=(16, 32, 64)),
     Knob("cpu_r16_int4_rows", int, 16, "kernels/cpu",
          "CPU linear and fused MoE on INT4 r16 weights, a sweep of one token group (decode): rows per register tile, "
          "as cpu_r16_rows for the other formats. AMD Zen 4 VM, fused MoE at T=1 (python -m suites.moe_ab), 16 / 32 / "

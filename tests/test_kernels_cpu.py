@@ -699,8 +699,8 @@ def test_r16_one_stack_in_each_layout(layouts):
     assert rec[-1]["isa"].endswith("+r16")
 
 
-R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows", "cpu_r16_prefill_rows",
-                              "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
+R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int8_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows",
+                              "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
                               "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
              for v in knob_samples(n)]
 

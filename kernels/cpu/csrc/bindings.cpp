@@ -114,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("r16_rows", &Knobs::r16_rows)
       .def_readwrite("r16_int4_rows", &Knobs::r16_int4_rows)
       .def_readwrite("r16_fp8_rows", &Knobs::r16_fp8_rows)
+      .def_readwrite("r16_int8_rows", &Knobs::r16_int8_rows)
       .def_readwrite("r16_prefill_rows", &Knobs::r16_prefill_rows)
       .def_readwrite("r16_tokens", &Knobs::r16_tokens)
       .def_readwrite("r16_next_prefetch", &Knobs::r16_next_prefetch)

@@ -171,6 +171,7 @@ struct Knobs {
   int64_t r16_rows = 0;          // r16 experts: rows per register tile, one token group (16, 32, 64)
   int64_t r16_int4_rows = 0;     // ... on INT4 r16 weights (16, 32, 64)
   int64_t r16_fp8_rows = 0;      // ... on FP8 r16 weights (16, 32, 64)
+  int64_t r16_int8_rows = 0;     // ... on INT8 r16 weights (16, 32, 64)
   int64_t r16_prefill_rows = 0;  // ... several token groups
   int64_t r16_tokens = 0;        // ... tokens per register tile (1..6)
   PrefetchHint r16_next_prefetch = (PrefetchHint)-1;  // ... a tile's second token group prefetching the next tile

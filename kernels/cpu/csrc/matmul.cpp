@@ -150,9 +150,10 @@ void Knobs::check() const {
   TORCH_CHECK((r16_rows == 16 || r16_rows == 32 || r16_rows == 64) &&
                   (r16_int4_rows == 16 || r16_int4_rows == 32 || r16_int4_rows == 64) &&
                   (r16_fp8_rows == 16 || r16_fp8_rows == 32 || r16_fp8_rows == 64) &&
+                  (r16_int8_rows == 16 || r16_int8_rows == 32 || r16_int8_rows == 64) &&
                   (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
                   r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
-              "r16_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_next_prefetch set");
+              "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_next_prefetch set");
 }
 
 // ------------------------------------------------------------------ activations
@@ -387,7 +388,9 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
   const int64_t ng = (M + MT - 1) / MT;
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
   const int64_t max_acc = W.fmt == kFp8R16 ? kR16Fp8MaxAcc : kR16MaxAcc;
-  const int64_t rows1 = W.fmt == kInt4R16 ? kn.r16_int4_rows : W.fmt == kFp8R16 ? kn.r16_fp8_rows : kn.r16_rows;  // one group (decode)
+  // rows per tile for one token group (decode), per format: BF16 cpu_r16_rows, the others their own knob
+  const int64_t rows1 = W.fmt == kInt8R16 ? kn.r16_int8_rows : W.fmt == kInt4R16 ? kn.r16_int4_rows
+                        : W.fmt == kFp8R16 ? kn.r16_fp8_rows : kn.r16_rows;
   const int RB = (int)std::min<int64_t>((ng > 1 ? kn.r16_prefill_rows : rows1) / 16,
                                         max_acc / std::min<int64_t>(MT, M));
   // INT8 and INT4: the policy is W.dot (make_weight: VNNI, its model or vpmaddubsw)
