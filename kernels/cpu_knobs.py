@@ -221,6 +221,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "cpu_r16_tokens' figures): "
          "x0.98 at 512, x0.90-0.93 at 128",
          low=1, high=12),
+    Knob("cpu_r16_bf16_one_group", int, 12, "kernels/cpu",
+         "CPU fused MoE on BF16 r16 experts: an expert with at most this many tokens (a prefill's few per expert) "
+         "runs them as one token group, each tile of at most 24 / tokens blocks reading its rows once, instead of "
+         "groups of cpu_r16_bf16_tokens whose later ones read them again from cache; 0 (or at most "
+         "cpu_r16_bf16_tokens): never. Linears keep cpu_r16_bf16_tokens. AMD Zen 4 VM, `small` at 128 tokens "
+         "(about 12 per expert; python -m suites.moe_ab, alternating), 12 / 10 / 8 against 0: x1.05-1.06 / x1.03 / x1.00; "
+         "the same as a linear's rule, [11264, 2048] / [32000, 2048] at 12 tokens: x0.93 / x0.91",
+         low=0, high=12),
     Knob("cpu_gemm_block_n", int, 256, "kernels/cpu",
          "CPU GEMM path: weight rows unpacked per BLAS call (the unpack cache block)",
          low=16, high=4096, log=True, pow2=True),

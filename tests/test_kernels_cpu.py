@@ -700,7 +700,8 @@ def test_r16_one_stack_in_each_layout(layouts):
 
 
 R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int8_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows",
-                              "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
+                              "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_bf16_one_group",
+                              "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
                               "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
              for v in knob_samples(n)]
 
@@ -718,6 +719,22 @@ def test_r16_knobs_change_no_result_bitwise():
                         got = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**extra, name: value})
                     assert rec[-1]["knobs"][name] == value
                     assert torch.equal(got, want), (case, name, value)
+
+
+def test_r16_bf16_one_group_is_bitwise_the_grouped_sweep():
+    """cpu_r16_bf16_one_group: a BF16 r16 expert of 7..12 tokens in one token group gives the bits of groups of
+    cpu_r16_bf16_tokens (each output sums its pairs in one lane in order), on every policy; the case has such
+    experts (13 tokens, 6 experts, top-3)."""
+    p13, p2, w13, w2, x, tw, ids = r16_moe("odd_t13")
+    counts = torch.bincount(ids.flatten(), minlength=6)
+    assert any(cpu.KNOB_DEFAULTS["cpu_r16_bf16_tokens"] < c <= 12 for c in counts.tolist()), counts
+    for xa, extra in ((x, {}), (x.to(torch.bfloat16), {"cpu_bf16_isa": "avx512bf16"})):
+        with cpu.emulate(["avx512_bf16"]) if extra else contextlib.nullcontext():
+            grouped = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**extra, "cpu_r16_bf16_one_group": 0})
+            for v in (7, 12):
+                assert torch.equal(cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**extra, "cpu_r16_bf16_one_group": v}),
+                                   grouped), (extra, v)
+    check(cpu.fused_moe(x, p13, p2, tw, ids), reference.fused_moe(x, w13, w2, tw, ids), TIGHT, "one group")
 
 
 def test_r16_layout_resolution_and_prepare():

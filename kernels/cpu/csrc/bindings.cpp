@@ -105,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("r16_onednn_min_tokens", &Knobs::r16_onednn_min_tokens)
       .def_readwrite("r16_bf16_tokens", &Knobs::r16_bf16_tokens)
+      .def_readwrite("r16_bf16_one_group", &Knobs::r16_bf16_one_group)
       .def_readwrite("r16_tile_blocks", &Knobs::r16_tile_blocks)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
       .def_readwrite("k_block", &Knobs::k_block)

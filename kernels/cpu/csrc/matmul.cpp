@@ -152,8 +152,8 @@ void Knobs::check() const {
                   (r16_fp8_rows == 16 || r16_fp8_rows == 32 || r16_fp8_rows == 64) &&
                   (r16_int8_rows == 16 || r16_int8_rows == 32 || r16_int8_rows == 64) &&
                   (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
-                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
-              "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_next_prefetch set");
+                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && r16_bf16_one_group >= 0 && r16_bf16_one_group <= kR16MaxTokens && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
+              "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_bf16_one_group 0..12, r16_next_prefetch set");
 }
 
 // ------------------------------------------------------------------ activations
