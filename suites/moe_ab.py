@@ -63,11 +63,10 @@ def load_knobs(cpu, values: dict):
 
 
 def call_knobs(cpu, parsed: list[tuple[str, dict]]) -> list:
-    """Each variant's per-call knobs as the C++ struct, built once (its load-time knobs acted at prepare()):
-    a dict would be converted at every call (≈ 20 µs here), a constant that pulls every ratio towards 1."""
-    from kernels.cpu_knobs import LOAD_KNOBS
-
-    return [cpu.make_knobs({k: v for k, v in knobs.items() if k not in LOAD_KNOBS}) for _, knobs in parsed]
+    """Each variant's per-call knobs as the C++ struct, built once (make_knobs leaves out the load-time ones, which
+    acted at prepare()): a dict would be converted at every call (≈ 20 µs here), a constant that pulls every ratio
+    towards 1."""
+    return [cpu.make_knobs(knobs) for _, knobs in parsed]
 
 
 def call_routing(r: int, j: int, variants: int) -> int:

@@ -163,7 +163,7 @@ struct Knobs {
   int64_t r16_onednn_min_tokens = 0;  // from this many rows, BF16 r16 linears (bf16 activations) run oneDNN on rows restored
   TileRows r16_tile_blocks = (TileRows)-1;  // r16 tiles' blocks adjacent or spread (r16_sweep)
   int64_t r16_bf16_tokens = 0;   // tokens per BF16 r16 register tile (cpu_r16_tokens: the other r16 formats')
-  int64_t r16_bf16_one_group = 0;  // BF16 r16 sweeps of at most this many tokens: one token group (0: never)
+  int64_t r16_bf16_one_group = 0;  // fused MoE, BF16 r16 experts of at most this many tokens: one token group
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)
   int64_t k_block = 0;           // micro_bf16y: K elements per turn of a tile's row groups; gemm_fma: per pass
   PrefetchHint prefetch_hint = (PrefetchHint)-1;
@@ -174,7 +174,7 @@ struct Knobs {
   int64_t r16_fp8_rows = 0;      // ... on FP8 r16 weights (16, 32, 64)
   int64_t r16_int8_rows = 0;     // ... on INT8 r16 weights (16, 32, 64)
   int64_t r16_prefill_rows = 0;  // ... several token groups
-  int64_t r16_tokens = 0;        // ... tokens per register tile (1..6)
+  int64_t r16_tokens = 0;        // ... tokens per register tile (1..12)
   PrefetchHint r16_next_prefetch = (PrefetchHint)-1;  // ... a tile's second token group prefetching the next tile
   Int8Isa int8_isa = (Int8Isa)-1;
   Bf16Isa bf16_isa = (Bf16Isa)-1;

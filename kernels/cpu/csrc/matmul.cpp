@@ -147,12 +147,12 @@ void Knobs::check() const {
   TORCH_CHECK(prefill_prefetch_hint >= kPrefillT0 && prefill_prefetch_hint <= kPrefillSame && prefill_prefetch_ahead >= 0 &&
                   prefill_prefetch_ahead % 64 == 0,
               "prefill_prefetch_hint must be set and prefill_prefetch_ahead a multiple of 64 ≥ 0");
-  TORCH_CHECK((r16_rows == 16 || r16_rows == 32 || r16_rows == 64) &&
-                  (r16_int4_rows == 16 || r16_int4_rows == 32 || r16_int4_rows == 64) &&
-                  (r16_fp8_rows == 16 || r16_fp8_rows == 32 || r16_fp8_rows == 64) &&
-                  (r16_int8_rows == 16 || r16_int8_rows == 32 || r16_int8_rows == 64) &&
-                  (r16_prefill_rows == 16 || r16_prefill_rows == 32 || r16_prefill_rows == 64) && r16_tokens >= 1 &&
-                  r16_tokens <= kR16MaxTokens && r16_bf16_tokens >= 1 && r16_bf16_tokens <= kR16MaxTokens && r16_bf16_one_group >= 0 && r16_bf16_one_group <= kR16MaxTokens && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) && r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
+  const auto tile_rows = [](int64_t v) { return v == 16 || v == 32 || v == 64; };
+  const auto tokens = [](int64_t v, int64_t low) { return v >= low && v <= kR16MaxTokens; };
+  TORCH_CHECK(tile_rows(r16_rows) && tile_rows(r16_int8_rows) && tile_rows(r16_int4_rows) && tile_rows(r16_fp8_rows) &&
+                  tile_rows(r16_prefill_rows) && tokens(r16_tokens, 1) && tokens(r16_bf16_tokens, 1) &&
+                  tokens(r16_bf16_one_group, 0) && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) &&
+                  r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
               "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_bf16_one_group 0..12, r16_next_prefetch set");
 }
 
@@ -382,9 +382,13 @@ PreparedAct prepare_act(const at::Tensor& x, const WeightView& W) {
 // memory, the later ones read them from L2). Prefetch as micro_sweep's: a sweep of several groups as
 // cpu_prefill_prefetch_hint / _ahead say; the distance is bytes ahead in each block's stream.
 static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
-                      float* out, int64_t ldo, const Knobs& kn) {
+                      float* out, int64_t ldo, const Knobs& kn, bool expert) {
   TORCH_CHECK(n0 % 16 == 0 && n1 % 16 == 0, "r16 sweep: rows in whole 16-row blocks");
-  const int MT = (int)(W.fmt == kBF16R16 ? kn.r16_bf16_tokens : kn.r16_tokens);
+  // BF16: groups of cpu_r16_bf16_tokens; a fused-MoE expert of at most cpu_r16_bf16_one_group tokens in one group,
+  // each tile's rows read once instead of again from cache by a second group (a linear keeps the groups: at 12
+  // tokens its rows need the 4-block tiles' streams)
+  const int MT = (int)(W.fmt != kBF16R16 ? kn.r16_tokens
+                       : expert && M > kn.r16_bf16_tokens && M <= kn.r16_bf16_one_group ? M : kn.r16_bf16_tokens);
   const int64_t ng = (M + MT - 1) / MT;
   // rows per tile as the knob says, fewer where its tokens would need more than kR16MaxAcc accumulators
   const int64_t max_acc = W.fmt == kFp8R16 ? kR16Fp8MaxAcc : kR16MaxAcc;
@@ -438,8 +442,8 @@ static void r16_sweep(const WeightView& W, const Act& A, const int64_t* tok, int
 }
 
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next) {
-  if (is_r16(W.fmt)) return r16_sweep(W, A, tok, M, n0, n1, out, ldo, kn);
+                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next, bool expert) {
+  if (is_r16(W.fmt)) return r16_sweep(W, A, tok, M, n0, n1, out, ldo, kn, expert);
   const int R = (int)kn.micro_rows, MT = (int)kn.micro_tokens;
   const bool vnni = W.dot == kDotVnni || W.dot == kDotVnniModel, bf16dot = W.dot == kDotBf16 || W.dot == kDotBf16Model;
   const bool model = W.dot == kDotVnniModel || W.dot == kDotBf16Model;

@@ -57,27 +57,14 @@ at::Tensor gathered_scales(const PreparedAct& p, const int64_t* rows, int64_t n)
   return p.xs.index_select(0, idx);
 }
 
-// An expert's sweep knobs: on BF16 r16 rows, an expert of at most cpu_r16_bf16_one_group tokens (a prefill's few
-// per expert) runs them as one token group, each tile's rows read once instead of again from cache by a second
-// group (`tmp` holds the changed copy); else `kn` as it is. (Linears keep cpu_r16_bf16_tokens: at 12 tokens a
-// linear's rows need the 4-block tiles' streams.)
-const Knobs& expert_knobs(const WeightView& W, int64_t n, const Knobs& kn, Knobs& tmp) {
-  if (W.fmt != kBF16R16 || n > kn.r16_bf16_one_group || n <= kn.r16_bf16_tokens) return kn;
-  tmp = kn;
-  tmp.r16_bf16_tokens = n;
-  return tmp;
-}
-
 // Phase 1 for one (expert, intermediate tile [i0, i1)): h[slot, i] = SiLU(gate) · up. `next`: the
 // first gate row of the task this thread likely takes next (prefetched at the end of the up rows).
 void gate_up_tile(const WeightView& W, const Act& A, const int64_t* tok, int64_t n, int64_t I, int64_t i0,
                   int64_t i1, float* h, const Knobs& kn, const uint8_t* next) {
   const int64_t w = i1 - i0;
   std::vector<float> gate(n * w), up(n * w);
-  Knobs tmp;
-  const Knobs& ke = expert_knobs(W, n, kn, tmp);
-  micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, ke, W.w + (I + i0) * W.row_bytes);
-  micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, ke, next);
+  micro_sweep(W, A, tok, n, i0, i1, gate.data(), w, kn, W.w + (I + i0) * W.row_bytes, true);
+  micro_sweep(W, A, tok, n, I + i0, I + i1, up.data(), w, kn, next, true);
   for (int64_t m = 0; m < n; ++m) silu_mul_f32(gate.data() + m * w, up.data() + m * w, w, h + m * I + i0);
 }
 
@@ -92,9 +79,7 @@ void down_tile(const StackedWeight& W2, const Act& H, const Routing& r, const st
     const uint8_t* next = j + 1 < experts.size() ? W2.expert(experts[j + 1]).w + d0 * W2.base.row_bytes
                                                  : W2.expert(experts[0]).w + d1 * W2.base.row_bytes;
     y.resize(n * w);
-    Knobs tmp;
-    const WeightView We = W2.expert(e);
-    micro_sweep(We, H, r.slot_idx.data() + off, n, d0, d1, y.data(), w, expert_knobs(We, n, kn, tmp), next);
+    micro_sweep(W2.expert(e), H, r.slot_idx.data() + off, n, d0, d1, y.data(), w, kn, next, true);
     for (int64_t m = 0; m < n; ++m) {
       float* o = out + r.slot_tok[off + m] * D + d0;
       const float s = r.slot_w[off + m];

@@ -80,9 +80,10 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
                const Knobs& kn, bool parallel);
 // One microkernel sweep over rows [n0, n1) for tokens tok[0..M): out[m * ldo + (n - n0)].
 // next: the first row the caller reads after the sweep (same row length), prefetched during its
-// last tile; nullptr: row n1 of W.
+// last tile; nullptr: row n1 of W. expert: one expert's rows in the fused MoE (BF16 r16: at most
+// cpu_r16_bf16_one_group tokens run as one token group).
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next);
+                 float* out, int64_t ldo, const Knobs& kn, const uint8_t* next, bool expert = false);
 // x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
 
