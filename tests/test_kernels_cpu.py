@@ -702,7 +702,7 @@ def test_r16_one_stack_in_each_layout(layouts):
 R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int8_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows",
                               "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_bf16_one_group",
                               "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
-                              "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n")
+                              "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n", "cpu_moe_int4_tasks")
              for v in knob_samples(n)]
 
 
@@ -1088,6 +1088,27 @@ def test_int4_r16_knobs_change_no_result_bitwise_and_one_stack_in_each_layout():
     assert (p13.args[0], p2.args[0]) == (cpu.I4R16_ID, cpu.FORMAT_IDS["int4"])
     check(cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int4_method": "int8"}),
           reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, "int4 r16 | rows")
+
+def test_int4_r16_moe_tasks_change_no_result_bitwise():
+    """cpu_moe_int4_tasks only regroups INT4 r16 rows into longer tasks (each output row is one tile's, each down
+    output sums the experts in order within its task): every value, on 1 and 2 threads, with cpu_moe_block_n 16 so
+    that the tasks really change (an expert's 128 rows in 1..8 tasks, D's 256 in 1..16), gives the default's bits."""
+    threads = torch.get_num_threads()
+    try:
+        for case in ("regular", "t1", "empty_expert"):
+            p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, symmetric=False)
+            want = cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_moe_int4_tasks": 0})
+            check(want, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, case)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for value in knob_samples("cpu_moe_int4_tasks"):
+                    for block in (16, 128):
+                        got = cpu.fused_moe(x, p13, p2, tw, ids,
+                                            knobs={"cpu_moe_int4_tasks": value, "cpu_moe_block_n": block})
+                        assert torch.equal(got, want), (case, n, value, block)
+    finally:
+        torch.set_num_threads(threads)
+
 
 
 INT4_R16_LINEAR = {"one_block": (3, 16, 128), "t1": (1, 256, 512), "t13": (13, 48, 1000), "t37": (37, 96, 130),

@@ -90,6 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("micro_wide", &Knobs::micro_wide)
       .def_readwrite("linear_block_n", &Knobs::linear_block_n)
       .def_readwrite("moe_block_n", &Knobs::moe_block_n)
+      .def_readwrite("moe_int4_tasks", &Knobs::moe_int4_tasks)
       .def_readwrite("gemm_min_tokens", &Knobs::gemm_min_tokens)
       .def_readwrite("gemm_block_n", &Knobs::gemm_block_n)
       .def_readwrite("fp8_method", &Knobs::fp8_method)

@@ -147,6 +147,7 @@ struct Knobs {
   int64_t micro_wide = -1;       // BF16 / INT8 dot products: tokens per wide tile (0: none; 6, 8, 12)
   int64_t linear_block_n = 0;    // rows per parallel task (linear)
   int64_t moe_block_n = 0;       // rows per parallel task (fused MoE)
+  int64_t moe_int4_tasks = 0;    // INT4 r16 experts: about this many tasks per thread and phase, of ≥ moe_block_n rows (0: off)
   int64_t gemm_min_tokens = 0;   // from this many tokens (per expert in MoE) use unpack + BLAS
   int64_t gemm_block_n = 0;      // rows unpacked per BLAS call (the weight-unpack cache block)
   Fp8Method fp8_method = (Fp8Method)-1;

@@ -166,7 +166,18 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   for (int64_t e : large)
     gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
   // r16: tasks in whole 16-row blocks (I and D are multiples of 16 there: make_weight)
-  const int64_t bn = r16 ? (kn.moe_block_n + 15) / 16 * 16 : kn.moe_block_n;
+  const int64_t bn0 = r16 ? (kn.moe_block_n + 15) / 16 * 16 : kn.moe_block_n;
+  // INT4 r16 experts with cpu_moe_int4_tasks = k: each phase in about k tasks per thread (at least bn0 rows each,
+  // the rows split evenly in whole 16-row blocks): their one-stream decode tiles run a task's rows as one contiguous
+  // stream, which slows at each new task (docs/cpu_kernels.md, session 29)
+  const int64_t threads = std::max(1, omp_get_max_threads()), k = W13.base.fmt == kInt4R16 ? kn.moe_int4_tasks : 0;
+  const auto task_rows = [&](int64_t rows, int64_t total) {  // rows of one task over `rows` (one expert's, or D)
+    if (k == 0 || rows <= bn0) return bn0;
+    const int64_t want = std::max(bn0, (total + threads * k - 1) / (threads * k));
+    const int64_t parts = (rows + want - 1) / want;
+    return ((rows + parts - 1) / parts + 15) / 16 * 16;
+  };
+  const int64_t bn = task_rows(I, (int64_t)small.size() * I), bn2 = task_rows(D, D);
   const int64_t itiles = (I + bn - 1) / bn;
   const int64_t tasks1 = (int64_t)small.size() * itiles;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
@@ -183,10 +194,10 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   const Act H = ha.view();
   at::Tensor out = at::zeros({T, D}, at::kFloat);
   float* op = out.data_ptr<float>();
-  const int64_t dtiles = (D + bn - 1) / bn;
+  const int64_t dtiles = (D + bn2 - 1) / bn2;
   if (!small.empty()) {
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
-    for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn, std::min(D, (t + 1) * bn), op, D, kn);
+    for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn2, std::min(D, (t + 1) * bn2), op, D, kn);
   }
   for (int64_t e : large) down_gemm(W2.expert(e), ha, r, e, I, out, kn);
   return out;
