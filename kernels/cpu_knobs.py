@@ -30,12 +30,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "experts × tiles; with cpu_tile_rows=spread each of a tile's streams runs through block_n / "
          "micro_rows rows (128: INT8 `small` T=1 x1.07 over 32 on an Emerald Rapids VM)",
          low=8, high=512, log=True, pow2=True),
-    Knob("cpu_moe_int4_tasks", int, 2, "kernels/cpu",
+    Knob("cpu_moe_int4_tasks", int, 1, "kernels/cpu",
          "CPU fused MoE, INT4 experts in the r16 layout: each phase (gate/up, down) in about this many tasks per "
          "thread, of at least cpu_moe_block_n rows, an expert's rows split evenly (0: cpu_moe_block_n rows per task, "
          "as the other formats). Their 16-row decode tiles read a task's rows as one stream, which slows at each new "
-         "task. AMD Zen 4 VM (python -m suites.moe_ab, alternating), 2 against 0: one thread `small` T=1 x1.16, V3 "
-         "x1.06; two threads `small` T=1 x1.00-1.02 (memory-bound minutes), T=4 x1.07, 128 tokens x1.11, V3 x1.01; "
+         "task. AMD Zen 4 VM (python -m suites.moe_ab, alternating, two threads), 1 / 2 against 0: `small` T=1 in a "
+         "fast-memory minute x1.25 / x1.20 (INT4 x1.73 / x1.66 INT8's speed, x1.38 at 0), T=4 x1.24 / x1.19, V3 T=1 "
+         "x1.10 / x1.10; in memory-bound minutes x1.02-1.05; 128 tokens x1.00 / x1.09; one thread `small` x1.16. "
          "INT8, FP8 and BF16 (multi-stream tiles) gained nothing from longer tasks (x1.01-1.02 on one thread)",
          choices=(0, 1, 2, 3, 4, 6)),
     Knob("cpu_gemm_min_tokens", int, 32, "kernels/cpu",
