@@ -35,7 +35,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "thread, of at least cpu_moe_block_n rows, an expert's rows split evenly (0: cpu_moe_block_n rows per task, "
          "as the other formats). Their 16-row decode tiles read a task's rows as one stream, which slows at each new "
          "task. AMD Zen 4 VM (python -m suites.moe_ab, alternating, two threads), 1 / 2 against 0: `small` T=1 in a "
-         "fast-memory minute x1.25 / x1.20 (INT4 x1.73 / x1.66 INT8's speed, x1.38 at 0), T=4 x1.24 / x1.19, V3 T=1 "
+         "fast-memory minute x1.27 / x1.21 (INT4 x1.73 / x1.66 INT8's speed, x1.38 at 0), T=4 x1.24 / x1.19, V3 T=1 "
          "x1.10 / x1.10; in memory-bound minutes x1.02-1.05; 128 tokens x1.00 / x1.09; one thread `small` x1.16. "
          "INT8, FP8 and BF16 (multi-stream tiles) gained nothing from longer tasks (x1.01-1.02 on one thread)",
          choices=(0, 1, 2, 3, 4, 6)),
