@@ -1092,11 +1092,13 @@ def test_int4_r16_knobs_change_no_result_bitwise_and_one_stack_in_each_layout():
 def test_int4_r16_moe_tasks_change_no_result_bitwise():
     """cpu_moe_int4_tasks only regroups INT4 r16 rows into longer tasks (each output row is one tile's, each down
     output sums the experts in order within its task): every value, on 1 and 2 threads, with cpu_moe_block_n 16 so
-    that the tasks really change (an expert's 128 rows in 1..8 tasks, D's 256 in 1..16), gives the default's bits."""
+    that the tasks really change (an expert's 128 rows in 1..8 tasks, D's 256 in 1..16), gives the bits of
+    cpu_moe_block_n rows per task, also where only one stack is r16 (each phase by its own stack's layout)."""
     threads = torch.get_num_threads()
     try:
-        for case in ("regular", "t1", "empty_expert"):
-            p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, symmetric=False)
+        for case, layouts in (("regular", ("r16", "r16")), ("t1", ("r16", "r16")), ("empty_expert", ("r16", "r16")),
+                              ("regular", ("r16", "rows")), ("regular", ("rows", "r16"))):
+            p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, False, *layouts)
             want = cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_moe_int4_tasks": 0})
             check(want, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, case)
             for n in (1, 2):
@@ -1105,7 +1107,7 @@ def test_int4_r16_moe_tasks_change_no_result_bitwise():
                     for block in (16, 128):
                         got = cpu.fused_moe(x, p13, p2, tw, ids,
                                             knobs={"cpu_moe_int4_tasks": value, "cpu_moe_block_n": block})
-                        assert torch.equal(got, want), (case, n, value, block)
+                        assert torch.equal(got, want), (case, layouts, n, value, block)
     finally:
         torch.set_num_threads(threads)
 

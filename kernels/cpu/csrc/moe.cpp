@@ -170,14 +170,16 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   // INT4 r16 experts with cpu_moe_int4_tasks = k: each phase in about k tasks per thread (at least bn0 rows each,
   // the rows split evenly in whole 16-row blocks): their one-stream decode tiles run a task's rows as one contiguous
   // stream, which slows at each new task (docs/cpu_kernels.md, session 29)
-  const int64_t threads = std::max(1, omp_get_max_threads()), k = W13.base.fmt == kInt4R16 ? kn.moe_int4_tasks : 0;
-  const auto task_rows = [&](int64_t rows, int64_t total) {  // rows of one task over `rows` (one expert's, or D)
+  // (each phase by its own stack's layout: the two may differ)
+  const int64_t threads = std::max(1, omp_get_max_threads());
+  const auto task_rows = [&](const WeightView& W, int64_t rows, int64_t total) {  // over `rows` (an expert's, or D)
+    const int64_t k = W.fmt == kInt4R16 ? kn.moe_int4_tasks : 0;
     if (k == 0 || rows <= bn0) return bn0;
     const int64_t want = std::max(bn0, (total + threads * k - 1) / (threads * k));
     const int64_t parts = (rows + want - 1) / want;
     return ((rows + parts - 1) / parts + 15) / 16 * 16;
   };
-  const int64_t bn = task_rows(I, (int64_t)small.size() * I), bn2 = task_rows(D, D);
+  const int64_t bn = task_rows(W13.base, I, (int64_t)small.size() * I), bn2 = task_rows(W2.base, D, D);
   const int64_t itiles = (I + bn - 1) / bn;
   const int64_t tasks1 = (int64_t)small.size() * itiles;
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
