@@ -1273,7 +1273,7 @@ def test_linear_on_bf16_rows_rounds_as_the_float32_path(case, fmt, layout):
     same_acts = layout == "rows" or fmt.startswith("int")
     first = None
     for knobs in ({}, {"cpu_linear_block_n": 16}, {"cpu_linear_block_n": 1024}):
-        knobs = {**knobs, "cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096}
+        knobs = {**knobs, "cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096, "cpu_bf16_gemm_min_tokens": 4096, "cpu_amx_min_tokens": 4096}
         got = cpu.linear(xb, p, knobs=knobs)
         assert got.dtype == torch.bfloat16 and got.shape == (t, n)
         first = got if first is None else first
