@@ -108,13 +108,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU kernels, BF16 expert stacks (fused MoE), chosen at load: rows (the checkpoint's row-major "
          "layout) or r16 (each 16 rows interleaved by bf16 pair, repacked once in place: a tile reads one "
          "contiguous line per 16 rows per step and multiplies each token's pair broadcast into 16-row "
-         "accumulators, no horizontal sums; every token count runs on it, with no GEMM path). auto: r16 where "
-         "the CPU has AVX512-BF16 and no AMX (AMX's GEMM path takes row-major blocks), else rows. A stack "
+         "accumulators, no horizontal sums; every token count runs on it, except on AMX CPUs from "
+         "cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles). auto: r16 where the CPU "
+         "has AVX512-BF16 and no AMX (r16 against rows not yet measured on AMX), else rows. A stack "
          "whose rows are not a multiple of 32 (gate|up: of 16 per half) or whose K is odd stays rows",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_bf16_linear_layout", str, "auto", "kernels/cpu",
          "CPU kernels, BF16 linears, chosen at load: rows, or r16 (as cpu_bf16_expert_layout: repacked once in "
-         "place, every token count on the r16 tiles, none on oneDNN or another GEMM path); auto: r16 where the CPU "
+         "place: the r16 tiles, AMX's GEMM on the blocks from cpu_amx_min_tokens where AMX runs, and oneDNN on rows "
+         "restored block by block from cpu_r16_onednn_min_tokens for bf16 activations); auto: r16 where the CPU "
          "has AVX512-BF16 and no AMX. A weight whose rows are not a multiple of 16 or whose K is odd stays rows. "
          "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
          "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1",
@@ -123,9 +125,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "CPU kernels, INT8 expert stacks (fused MoE), chosen at load: rows (row-major, as the checkpoint) or r16 "
          "(each 16 rows interleaved by 4-byte unit, repacked once in place, as cpu_bf16_expert_layout's: a tile "
          "reads one contiguous line per 16 rows per step and multiplies each token's 4 activation bytes, broadcast, "
-         "into 16-row int32 accumulators on vpdpbusd, or vpmaddubsw without VNNI; every token count on it, no GEMM "
-         "path; the same result bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (AMX's GEMM path "
-         "takes row-major blocks), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
+         "into 16-row int32 accumulators on vpdpbusd, or vpmaddubsw without VNNI; every token count on it except on "
+         "AMX CPUs from cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles; the same result "
+         "bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (r16 against rows not yet measured on "
+         "AMX), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
          "multiple of 4 stays rows",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_linear_layout", str, "auto", "kernels/cpu",

@@ -199,3 +199,70 @@ def test_status_names_the_reason_and_the_hardware_path_refuses_without_it():
         assert "AMX" in HW
         with pytest.raises(RuntimeError, match="AMX"):
             run(torch.ones(1, 32), torch.ones(1, 32, dtype=torch.bfloat16), emulate=False)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_r16_weights_on_amx_equal_the_row_major_ones_bitwise(fmt, native):
+    """r16 weights (each 16-row block's K tile is one B tile: gemm_r16 reads them in place, no packing) give
+    the sums the packed row-major path gives, in the same tile order: bitwise equal outputs through linear
+    (N in one and several 32-column blocks and an odd last 16-row block, K tails, M tails, K passes) and
+    fused MoE (both stacks r16, and each mixed with a row-major one), within the reference's bound; the call
+    record names AMX and the layout. Without AMX, r16 stays on the r16 sweep."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(21)
+    mk = (lambda t: formats.DenseWeight(t.to(torch.bfloat16))) if fmt == "bf16" else formats.quantize_int8_channel
+    base = {"cpu_bf16_gemm": "amx", "cpu_int8_gemm": "amx", "cpu_amx_min_tokens": 1, "cpu_gemm_min_tokens": 1,
+            "cpu_dot_gemm_min_tokens": 1, "cpu_amx_direct_max_tokens": 0}
+    ks = (40, 1000, 64) if fmt == "bf16" else (132, 64, 1000)  # bf16 K = 40 / 1000, int8 K = 132: a K tail
+    with ctx:
+        for (n, k), m in itertools.product(zip((16, 48, 80, 304), ks + (256,)), (1, 15, 17, 33, 100)):
+            w = mk(torch.randn(n, k, generator=g) * 0.05)
+            rows, r16 = cpu.prepare(w, layout="rows"), cpu.prepare(w, layout="r16")
+            assert r16.args[0] != rows.args[0]  # r16 taken
+            x = torch.randn(m, k, generator=g)
+            for xd, k_block in itertools.product((torch.float32, torch.bfloat16), (0, 64, 128)):
+                if fmt == "int8" and xd == torch.bfloat16 and k_block == 128:
+                    continue  # bf16 activations on INT8: covered at 0 and 64
+                kn = {**base, "cpu_amx_k_block": k_block}
+                want = cpu.linear(x.to(xd), rows, knobs=kn)
+                with cpu.recording() as rec:
+                    got = cpu.linear(x.to(xd), r16, knobs=kn)
+                assert {tag, "r16"} <= set(rec[-1]["isa"].split("+")), rec[-1]["isa"]
+                assert torch.equal(got, want), (n, k, m, xd, k_block)
+            ref = reference.linear(x, w)
+            tol = 2e-5 if fmt == "int8" else 1e-2
+            assert ((cpu.linear(x, r16, knobs=base).float() - ref).norm() / ref.norm()).item() <= tol
+        # fused MoE: 40 tokens on 2 of 3 experts (each ≥ 32 rows: the GEMM path from cpu_amx_min_tokens = 32)
+        w13 = mk(torch.randn(3, 224, 288, generator=g) * 0.05)
+        w2 = mk(torch.randn(3, 288, 112, generator=g) * 0.05)
+        ids = torch.tensor([[0, 2]] * 40)
+        ids[::7, 1] = 1  # expert 1 with 6 tokens: the sweep beside the GEMM
+        tw = torch.rand(40, 2, generator=g) + 0.1
+        x = torch.randn(40, 288, generator=g)
+        x = x.bfloat16() if fmt == "bf16" else x
+        kn = {**base, "cpu_amx_min_tokens": 32}
+        rows13, rows2 = cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows")
+        r13, r2 = cpu.prepare(w13, layout="r16"), cpu.prepare(w2, layout="r16")
+        assert r13.args[0] != rows13.args[0] and r2.args[0] != rows2.args[0]  # both stacks r16
+        small = {"cpu_amx_min_tokens": 4096, "cpu_gemm_min_tokens": 4096, "cpu_dot_gemm_min_tokens": 4096}
+        # the small expert's sweep differs between the layouts (summation order): compare it alone first
+        sweep_rows = cpu.fused_moe(x, rows13, rows2, tw, ids, knobs={**kn, **small})
+        sweep_r16 = cpu.fused_moe(x, r13, r2, tw, ids, knobs={**kn, **small})
+        ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
+        want = cpu.fused_moe(x, rows13, rows2, tw, ids, knobs=kn)
+        for a, b in ((r13, r2), (r13, rows2), (rows13, r2)):
+            with cpu.recording() as rec:
+                got = cpu.fused_moe(x, a, b, tw, ids, knobs=kn)
+            assert {tag, "r16"} <= set(rec[-1]["isa"].split("+")), rec[-1]["isa"]
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= (2e-2 if fmt == "bf16" else 2e-5)
+            # the GEMM experts bitwise as the row-major run's: every difference is the small expert's
+            diff = (got.float() - want.float()).abs().amax(1) > 0
+            assert not diff[ids[:, 1] != 1].any(), (a is r13, b is r2)
+        assert ((sweep_r16.float() - sweep_rows.float()).norm() / sweep_rows.float().norm()).item() <= 2e-2
+    # AMX masked off (its model not on): the r16 weight keeps the r16 sweep at any row count
+    with cpu.feature_mask(cpu.features() - {"amx"}):
+        w = mk(torch.randn(48, 256, generator=g) * 0.05)
+        with cpu.recording() as rec:
+            cpu.linear(torch.randn(64, 256, generator=g), cpu.prepare(w, layout="r16"), knobs=base)
+        assert "amx" not in rec[-1]["isa"] and "r16" in rec[-1]["isa"].split("+"), rec[-1]["isa"]

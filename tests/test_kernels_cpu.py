@@ -633,6 +633,9 @@ R16_CASES = {
     "t1": (1, 9, 256, 96, 3, None),
 }
 BF16_NATIVE = "avx512_bf16" in cpu.features()
+# the r16 sweep at every token count: on AMX CPUs r16 BF16 / INT8 weights take AMX's GEMM from cpu_amx_min_tokens
+# (gemm_r16, tests/test_amx.py)
+SWEEP = {"cpu_amx_min_tokens": 1 << 20}
 
 
 def r16_moe(case: str, layout13: str = "r16", layout2: str = "r16"):
@@ -668,14 +671,15 @@ def test_r16_fused_moe_matches_the_reference_on_every_policy(case):
         check(cpu.fused_moe(x, p13, p2, tw, ids), ref, TIGHT, f"r16 f32-act {case}")
     assert rec[-1]["isa"] == "avx512+r16" and rec[-1]["format"] == "bf16"
     # bf16 activations on float32 FMAs (cpu_bf16_isa=avx512), on vdpbf16ps's C++ model, and on the instruction
-    check(cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512"}), refb, BF16_MOE, f"r16 fma {case}")
+    check(cpu.fused_moe(xb, p13, p2, tw, ids, knobs={**SWEEP, "cpu_bf16_isa": "avx512"}), refb, BF16_MOE,
+          f"r16 fma {case}")
     with cpu.emulate(["avx512_bf16"]), cpu.recording() as rec:
-        model = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+        model = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={**SWEEP, "cpu_bf16_isa": "avx512bf16"})
     assert rec[-1]["isa"] == "avx512bf16-model+r16"
     check(model, refb, BF16_MOE, f"r16 dot model {case}")
     if BF16_NATIVE:
         with cpu.recording() as rec:
-            native = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={"cpu_bf16_isa": "avx512bf16"})
+            native = cpu.fused_moe(xb, p13, p2, tw, ids, knobs={**SWEEP, "cpu_bf16_isa": "avx512bf16"})
         assert rec[-1]["isa"] == "avx512bf16+r16"
         assert torch.equal(native, model), "the model is exact: the instruction's result bit for bit"
 
@@ -855,7 +859,7 @@ def test_r16_linear_on_onednn_from_the_knob(case):
     p = cpu.prepare(w, layout="r16")
     assert p.args[0] == cpu.R16_ID
     xb = torch.randn(t, k, generator=g).to(torch.bfloat16)
-    on = {"cpu_r16_onednn_min_tokens": t}
+    on = {**SWEEP, "cpu_r16_onednn_min_tokens": t}  # AMX, where it runs, would come first
     with cpu.recording() as rec:
         got = cpu.linear(xb, p, knobs=on)
     assert rec[-1]["isa"] == "onednn+r16" and got.dtype == torch.bfloat16
@@ -865,7 +869,7 @@ def test_r16_linear_on_onednn_from_the_knob(case):
     if n > 256:  # several restored blocks: the same outputs as one (each output's K sum is oneDNN's own)
         check(got, whole, BF16_LINEAR, f"r16 onednn blocks {case}")
     with cpu.recording() as rec:
-        cpu.linear(xb, p, knobs={"cpu_r16_onednn_min_tokens": t + 1})
+        cpu.linear(xb, p, knobs={**SWEEP, "cpu_r16_onednn_min_tokens": t + 1})
         cpu.linear(xb.float(), p, knobs=on)
     assert [r["isa"].endswith("+r16") and not r["isa"].startswith("onednn") for r in rec] == [True, True]
 
@@ -934,7 +938,7 @@ def test_int8_r16_fused_moe_equals_the_row_major_kernel_bitwise(case):
     for isa, emulated, used in INT8_R16_POLICIES:
         for xa in (x, x.to(torch.bfloat16)):
             with cpu.emulate(emulated), cpu.recording() as rec:
-                got = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={"cpu_int8_isa": isa})
+                got = cpu.fused_moe(xa, p13, p2, tw, ids, knobs={**SWEEP, "cpu_int8_isa": isa})
             assert rec[-1]["isa"] == used and rec[-1]["format"] == "int8", rec[-1]
             ref = want if xa.dtype == torch.float32 else cpu.fused_moe(xa, r13, r2, tw, ids, knobs=ROWS_MICRO)
             assert torch.equal(got, ref), (case, isa, emulated, xa.dtype)
@@ -979,11 +983,11 @@ def test_int8_r16_linear_equals_the_row_major_kernel_bitwise(case):
     assert torch.equal(want, reference.linear(x, w))  # w8a8: exact sums, the reference's scaling order
     for isa, emulated, used in INT8_R16_POLICIES:
         with cpu.emulate(emulated), cpu.recording() as rec:
-            got = cpu.linear(x, p, knobs={"cpu_int8_isa": isa})
+            got = cpu.linear(x, p, knobs={**SWEEP, "cpu_int8_isa": isa})
         assert rec[-1]["isa"] == used, rec[-1]
         assert torch.equal(got, want), (case, isa, emulated)
     for name, value in R16_KNOBS + [("cpu_linear_block_n", 16), ("cpu_linear_block_n", 1)]:
-        assert torch.equal(cpu.linear(x, p, knobs={name: value}), want), (case, name, value)
+        assert torch.equal(cpu.linear(x, p, knobs={**SWEEP, name: value}), want), (case, name, value)
     # a call the kernels do not take (float16 rows) reaches the reference with the row-major weight: still w8a8
     xh = x.to(torch.float16)
     assert torch.equal(cpu.linear(xh, p), reference.linear(xh, w))

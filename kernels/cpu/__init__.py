@@ -9,7 +9,9 @@ FP8 bytes viewed as uint8), so nothing is converted per call. Dense float16 weig
 BF16, INT8, INT4 (groups of 128) and FP8 expert stacks and linears may instead be repacked once into the r16
 layout (16 rows interleaved by 4-byte unit: a bf16 pair, 4 int8, 8 nibbles, 4 fp8; `R16Weight`, `Int8R16Weight`,
 `Int4R16Weight`, `Fp8R16Weight`; knobs cpu_{bf16,int8,int4,fp8}_{expert,linear}_layout), which only the fused MoE
-and linear kernels read (on every token count: no GEMM path reads it).
+and linear kernels read: on their r16 register tiles at every token count, except BF16 and INT8 r16 on AMX CPUs,
+whose GEMM reads the blocks in place as B tiles from cpu_amx_min_tokens, and BF16 r16 linears with bf16 activations,
+on oneDNN over rows restored block by block from cpu_r16_onednn_min_tokens.
 
 Run-time knobs (declared in kernels/cpu_knobs.py, collected by engine.knobs, `cpu_*`) reach C++ as
 one named struct, `_ext.Knobs`, whose fields are the per-call knobs without "cpu_" (bound by
@@ -329,7 +331,7 @@ def _r16_auto(knob: str) -> str:
 
 def bf16_expert_layout() -> str:
     """What cpu_bf16_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-BF16 and no
-    AMX (AMX's GEMM path reads row-major blocks), else rows."""
+    AMX, else rows (AMX's GEMM reads r16 blocks too, but r16 against rows is not yet measured on an AMX CPU)."""
     return _r16_auto("cpu_bf16_expert_layout")
 
 

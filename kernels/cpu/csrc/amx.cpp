@@ -7,7 +7,9 @@
 // 4 bytes of W at one K position: a 16 × 16 transpose of 32-bit units) and then serves every 32-row
 // block of A: 2 × 2 accumulator tiles (tmm0–3), two A tiles (tmm4–5) and two B tiles (tmm6–7). M, N
 // and K are zero-padded to whole tiles. The packing is per call, like the unpack + BLAS path's, so it
-// pays off from a few dozen rows on; the engine chooses AMX from `cpu_amx_min_tokens` rows.
+// pays off from a few dozen rows on; the engine chooses AMX from `cpu_amx_min_tokens` rows. Weights in
+// the r16 layout (kBF16R16 / kInt8R16) need no packing: each 16-row block's K tile of 64 bytes per row is
+// already a B tile, 1 KiB in one piece (gemm_r16).
 //
 // The same kernel is instantiated twice: on the tile instructions (compiled here with a function
 // target attribute, executed only where cpuid reports AMX and Linux grants the tile state), and on a
@@ -289,12 +291,10 @@ MOETUNE_AMX inline void store_sums(int32_t* c, int64_t stride, int64_t h, int64_
   T::template store<3>(c + r + h, stride);
 }
 
-// One 32 × 32 block of C over K tiles [k0, k1) on the 2 × 2 tiles: A tiles at a0 / a1 + kt·1 KiB (rows
-// 0-15 / 16-31), B tiles at b + kt·2 KiB (columns 0-15, then 16-31); the sums start at zero (k0 = 0) or
-// from c, and end in c (row i at c + 32i). A function of its own with AMX's target, so that the tile
-// instructions inline into the loop (on the model, T's plain C++ does; no AMX instruction is emitted).
-template <class T, bool Int8>
-MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* b, int64_t k0, int64_t k1, int32_t* c) {
+// The 2 × 2 sum tiles of a 32 × 32 block at the start of K tiles from k0: zero (k0 = 0), or the sums a
+// previous pass left in c (row i at c + 32i).
+template <class T>
+MOETUNE_AMX void start_sums(int64_t k0, const int32_t* c) {
   if (k0 == 0) {
     T::template zero<0>();
     T::template zero<1>();
@@ -306,9 +306,34 @@ MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t*
     T::template load<2>(c + 512, 128);
     T::template load<3>(c + 528, 128);
   }
+}
+
+// One 32 × 32 block of C over K tiles [k0, k1) on the 2 × 2 tiles: A tiles at a0 / a1 + kt·1 KiB (rows
+// 0-15 / 16-31), B tiles at b + kt·2 KiB (columns 0-15, then 16-31); the sums start at zero (k0 = 0) or
+// from c, and end in c (row i at c + 32i). A function of its own with AMX's target, so that the tile
+// instructions inline into the loop (on the model, T's plain C++ does; no AMX instruction is emitted).
+template <class T, bool Int8>
+MOETUNE_AMX void tile_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* b, int64_t k0, int64_t k1, int32_t* c) {
+  start_sums<T>(k0, c);
   for (int64_t kt = k0; kt < k1; ++kt)
     tile_step<T, Int8>(a0 + kt * 1024, a1 + kt * 1024, 64, b + (kt * 2) * 1024, b + (kt * 2 + 1) * 1024, true);
   store_sums<T>(c, 128, 16, 512);  // tile (r, h): rows 16r .., columns 16h .. of the block
+}
+
+// A (rows of kbytes, M padded to 32) in tile order: the tile of rows 16r .. 16r + 15 and K tile kt, 16
+// rows of 64 bytes, at a + (r·ktiles + kt)·1024, so each tile load reads 1 KiB in one piece and a row
+// block's tiles follow each other (rows kbytes apart put a tile's 16 lines in a few cache sets).
+at::Tensor a_tile_order(const uint8_t* a_rows, int64_t kbytes, int64_t M) {
+  const int64_t ktiles = kbytes / 64, mblocks = (M + 31) / 32;
+  at::Tensor tiled = at::empty({mblocks * 2 * ktiles * 1024}, at::kByte);
+  uint8_t* a = tiled.data_ptr<uint8_t>();
+  at::parallel_for(0, mblocks * 2, 1, [&](int64_t s, int64_t e) {
+    for (int64_t r = s; r < e; ++r)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t kt = 0; kt < ktiles; ++kt)
+          std::memcpy(a + (r * ktiles + kt) * 1024 + i * 64, a_rows + (16 * r + i) * kbytes + 64 * kt, 64);
+  });
+  return tiled;
 }
 
 // Per parallel task one 32-column block of W, packed once (pack_b), then every 32-row block of A on a
@@ -322,17 +347,8 @@ void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int6
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, mblocks = (M + 31) / 32;
   const int64_t kstep = k_block > 0 ? std::max<int64_t>(1, k_block / 64) : ktiles;
   const bool passes = kstep < ktiles;
-  // A (rows of kbytes, M padded to 32) in tile order: the tile of rows 16r .. 16r + 15 and K tile kt, 16
-  // rows of 64 bytes, at a + (r·ktiles + kt)·1024, so each tile load reads 1 KiB in one piece and a row
-  // block's tiles follow each other (rows kbytes apart put a tile's 16 lines in a few cache sets)
-  at::Tensor tiled = at::empty({mblocks * 2 * ktiles * 1024}, at::kByte);
-  uint8_t* a = tiled.data_ptr<uint8_t>();
-  at::parallel_for(0, mblocks * 2, 1, [&](int64_t s, int64_t e) {
-    for (int64_t r = s; r < e; ++r)
-      for (int64_t i = 0; i < 16; ++i)
-        for (int64_t kt = 0; kt < ktiles; ++kt)
-          std::memcpy(a + (r * ktiles + kt) * 1024 + i * 64, a_rows + (16 * r + i) * kbytes + 64 * kt, 64);
-  });
+  const at::Tensor tiled = a_tile_order(a_rows, kbytes, M);
+  const uint8_t* a = tiled.data_ptr<uint8_t>();
 #pragma omp parallel
   {
     std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
@@ -353,6 +369,72 @@ void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int6
           int32_t* c = cb + (passes ? mb * 1024 : 0);
           const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
           tile_block<T, Int8>(a0, a0 + ktiles * 1024, b, k0, k1, c);
+          if (k1 < ktiles) continue;
+          if constexpr (Int8) so.put(c, 32, mb * 32, nb * 32, M, N);
+          else so.put_f32(c, 32, mb * 32, nb * 32, M, N);
+        }
+      }
+    }
+    T::release();
+  }
+}
+
+// One 32 × 32 block of C over K tiles [k0, k1) from weights in the r16 layout (kBF16R16 / kInt8R16), read
+// where they lie: a 16-row block's K tile kt (16 units of 4 bytes × the block's 16 rows, unit u of row r at
+// uint32 offset u·16 + r) is exactly a B tile, 1 KiB in one piece at b0 / b1 + kt·1 KiB (columns 0-15, then
+// 16-31; `two`: the second block exists). K tiles from `full` on are the staged tail (tail / tail + 1 KiB,
+// zero past the weight's K). A tiles and sums as tile_block's.
+template <class T, bool Int8>
+MOETUNE_AMX void r16_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* b0, const uint8_t* b1, bool two,
+                           const uint8_t* tail, int64_t full, int64_t k0, int64_t k1, int32_t* c) {
+  start_sums<T>(k0, c);
+  for (int64_t kt = k0; kt < k1; ++kt) {
+    const bool staged = kt >= full;
+    tile_step<T, Int8>(a0 + kt * 1024, a1 + kt * 1024, 64, staged ? tail : b0 + kt * 1024,
+                       staged ? tail + 1024 : b1 + kt * 1024, two);
+  }
+  store_sums<T>(c, 128, 16, 512);
+}
+
+// The AMX GEMM on r16 weights: no packing at all (the layout is AMX's B tile layout). Per parallel task one
+// 32-column block (two 16-row blocks, each one contiguous stream), then every 32-row block of A (tile order,
+// a_tile_order), K in passes of k_block bytes as gemm_tiles'. The K tail (K·esz not a multiple of 64) is
+// copied per task into a zeroed staging pair of tiles: the weight's next block follows it in memory, and
+// garbage × 0 would be NaN for bf16. N ends in whole 16-row blocks (r16); an odd last block runs one B tile.
+template <class T, bool Int8>
+void gemm_r16(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+              int64_t M, int64_t k_block) {
+  TORCH_CHECK(W.N % 16 == 0 && data_bytes % 4 == 0 && W.row_bytes == data_bytes, "AMX r16 GEMM: whole 16-row blocks");
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, mblocks = (M + 31) / 32;
+  const int64_t full = data_bytes / 64, tail_bytes = (data_bytes - 64 * full) * 16;  // per block
+  const int64_t kstep = k_block > 0 ? std::max<int64_t>(1, k_block / 64) : ktiles;
+  const bool passes = kstep < ktiles;
+  const at::Tensor tiled = a_tile_order(a_rows, kbytes, M);
+  const uint8_t* a = tiled.data_ptr<uint8_t>();
+  const int64_t block = 16 * W.row_bytes;
+#pragma omp parallel
+  {
+    alignas(64) uint8_t tail[2048];
+    std::vector<int32_t> cbuf((passes ? mblocks : 1) * 1024 + 16);
+    int32_t* cb = cbuf.data() + ((64 - reinterpret_cast<uintptr_t>(cbuf.data()) % 64) % 64) / 4;
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      const bool two = nb * 32 + 16 < N;
+      const uint8_t* b0 = W.w + 2 * nb * block;
+      const uint8_t* b1 = two ? b0 + block : b0;
+      if (full < ktiles) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, b0 + full * 1024, tail_bytes);
+        if (two) std::memcpy(tail + 1024, b1 + full * 1024, tail_bytes);
+      }
+      for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
+        const int64_t k1 = std::min(ktiles, k0 + kstep);
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+          int32_t* c = cb + (passes ? mb * 1024 : 0);
+          const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
+          r16_block<T, Int8>(a0, a0 + ktiles * 1024, b0, b1, two, tail, full, k0, k1, c);
           if (k1 < ktiles) continue;
           if constexpr (Int8) so.put(c, 32, mb * 32, nb * 32, M, N);
           else so.put_f32(c, 32, mb * 32, nb * 32, M, N);
@@ -442,12 +524,15 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
   }
 }
 
-// The AMX GEMM: weight rows in place up to ao.direct_max rows (where the rows hold whole K tiles), else
-// packed weight blocks (gemm_tiles).
+// The AMX GEMM: r16 weights where they lie (gemm_r16); row-major ones in place up to ao.direct_max rows
+// (where the rows hold whole K tiles), else packed weight blocks (gemm_tiles).
 template <class T, bool Int8>
 void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
               int64_t M, const AmxOpts& ao) {
-  if (M <= ao.direct_max && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
+  if (is_r16(W.fmt)) {
+    note_used(kUsedR16);  // the layout, beside the engine
+    gemm_r16<T, Int8>(a_rows, kbytes, W, data_bytes, so, M, ao.k_block);
+  } else if (M <= ao.direct_max && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
   else gemm_tiles<T, Int8>(a_rows, kbytes, W, data_bytes, so, M, ao.k_block);
 }
 
@@ -668,9 +753,10 @@ const std::string& amx_unavailable() {
 // emulation (k_block: gemm_tiles' K pass), or the AVX-512 dot-product engine (gemm_dot, on the instructions
 // or their models; INT8 needs W.wsum).
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
-  const bool int8 = W.fmt == kInt8, dot = engine == kTilesDot || engine == kTilesDotModel;
-  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && engine != kTilesMaddubs),
-              "tile GEMM: BF16, INT8 or FP8 weights (FP8: not on the vpmaddubsw engine)");
+  const bool int8 = W.fmt == kInt8 || W.fmt == kInt8R16, dot = engine == kTilesDot || engine == kTilesDotModel;
+  TORCH_CHECK(W.fmt == kBF16 || W.fmt == kInt8 || (W.fmt == kFp8 && engine != kTilesMaddubs) ||
+                  ((W.fmt == kBF16R16 || W.fmt == kInt8R16) && (engine == kTilesAmx || engine == kTilesAmxModel)),
+              "tile GEMM: BF16, INT8 or FP8 weights (FP8: not on the vpmaddubsw engine; BF16 and INT8 r16: AMX only)");
   TORCH_CHECK(engine != kTilesMaddubs || int8, "tile GEMM: the vpmaddubsw engine takes INT8 weights only");
   TORCH_CHECK(x_act.scalar_type() == at::kFloat || (x_act.scalar_type() == at::kBFloat16 && !int8),
               "tile GEMM: float32 activations (bfloat16 for BF16 and FP8 weights)");
@@ -751,8 +837,9 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
                               const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
-  TORCH_CHECK(W.fmt == kInt8 && W.scale, "INT8 GEMM from integers: INT8 weights with scales");
   const bool dot = engine == kTilesDot || engine == kTilesDotModel, amx = engine == kTilesAmx || engine == kTilesAmxModel;
+  TORCH_CHECK((W.fmt == kInt8 || (W.fmt == kInt8R16 && amx)) && W.scale,
+              "INT8 GEMM from integers: INT8 weights with scales (r16: on AMX only)");
   TORCH_CHECK(dot || amx || engine == kTilesMaddubs, "INT8 GEMM from integers: an AMX, vpdpbusd or vpmaddubsw engine");
   TORCH_CHECK(!dot || W.wsum, "INT8 GEMM from integers: vpdpbusd needs the weight's row sums");
   if (engine == kTilesDot)

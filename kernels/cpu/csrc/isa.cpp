@@ -83,9 +83,11 @@ bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
 // INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
 // AMX (gemm_dot_engine); BF16 auto: AMX for bf16 activations (float32 ones are not rounded by auto); FP8: AMX by
 // name only (its blocks are expanded as they are packed: slower than auto's paths where measured, docs/cpu_kernels.md).
+// BF16 and INT8 r16 weights as their row-major formats (gemm_r16 reads their blocks as B tiles in place).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
-  const bool want = (W.fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
-                    (W.fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16))) ||
+  const int fmt = W.fmt == kBF16R16 || W.fmt == kInt8R16 ? rows_format(W.fmt) : W.fmt;
+  const bool want = (fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
+                    (fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16))) ||
                     (W.fmt == kFp8 && kn.fp8_gemm == kFp8GemmAmx);
   if (!want || M < kn.amx_min_tokens) return -1;
   return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;

@@ -574,7 +574,7 @@ static void gemv_rows_bf16(const WeightView& W, const Act& A, const int64_t* tok
 // ------------------------------------------------------------------ unpack + BLAS path
 
 void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
-  TORCH_CHECK(!is_r16(W.fmt), "r16 weights have no GEMM path");
+  TORCH_CHECK(!is_r16(W.fmt), "r16 weights have no unpack GEMM path");
   const int64_t K = W.K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = W.w + r * W.row_bytes;
@@ -783,6 +783,7 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     note_used(amx_used(amx));
     return gemm_tiles_run(x_act, W, amx, amx_opts(kn));
   }
+  TORCH_CHECK(W.fmt == kBF16R16 || !is_r16(W.fmt), "GEMM: r16 INT8, INT4 and FP8 weights on AMX only (gemm_from)");
   if (W.fmt == kBF16R16) {  // from r16_onednn_min_tokens (gemm_from): oneDNN on the rows restored from r16
     note_used(kUsedOnednn | kUsedR16);
     return gemm_r16_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
@@ -830,8 +831,8 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
 }
 
 int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M) {
-  if (W.fmt != kInt8) return -1;
-  const int amx = amx_engine(W, kn, M), engine = amx >= 0 ? amx : gemm_dot_engine(W, kn);
+  if (W.fmt != kInt8 && W.fmt != kInt8R16) return -1;  // r16: AMX only (gemm_r16)
+  const int amx = amx_engine(W, kn, M), engine = amx >= 0 ? amx : W.fmt == kInt8 ? gemm_dot_engine(W, kn) : -1;
   if (engine < 0) return -1;
   note_used(amx >= 0                   ? amx_used(amx)
             : engine == kTilesMaddubs  ? kUsedMaddubs
@@ -850,13 +851,14 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
   const int64_t M = x.size(0);
   const bool gemm = M >= gemm_from(W, kn);
   if (gemm) W.no_micro_forms();
-  if (const int amx = gemm && (W.fmt == kBF16 || W.fmt == kFp8) && W.act_bf16 ? amx_engine(W, kn, M) : -1; amx >= 0) {
+  if (const int amx = gemm && (W.fmt == kBF16 || W.fmt == kBF16R16 || W.fmt == kFp8) && W.act_bf16 ? amx_engine(W, kn, M) : -1;
+      amx >= 0) {
     // AMX on the caller's bf16 rows (FP8: the weight expanded to bf16 as it is packed), a bf16 output: no
     // float32 copy either way
     note_used(amx_used(amx));
     return gemm_tiles_run(x.contiguous(), W, amx, amx_opts(kn), true);
   }
-  if (gemm && W.fmt == kBF16R16) {  // bf16 rows (gemm_from): oneDNN on the restored rows, a bf16 output
+  if (gemm && W.fmt == kBF16R16 && W.act_bf16) {  // bf16 rows (gemm_from): oneDNN on the restored rows, a bf16 output
     note_used(kUsedOnednn | kUsedR16);
     return gemm_r16_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }

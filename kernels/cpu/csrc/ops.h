@@ -132,10 +132,14 @@ at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs
 // expanded to bf16 as they are packed); bf16_gemm_min_tokens for a BF16 weight on the unpack + BLAS path
 // (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
 // any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
-// amx_min_tokens at the latest. r16 weights: never, but BF16 r16 with bf16 activations from
-// r16_onednn_min_tokens (oneDNN on its rows restored block by block: gemm_r16_onednn).
+// amx_min_tokens at the latest. r16 weights: from amx_min_tokens where AMX runs for them (BF16 and INT8: their
+// blocks are B tiles, gemm_r16), BF16 r16 with bf16 activations from r16_onednn_min_tokens (oneDNN on its rows
+// restored block by block: gemm_r16_onednn) if that is sooner, else never.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
-  if (is_r16(W.fmt)) return W.fmt == kBF16R16 && W.act_bf16 ? kn.r16_onednn_min_tokens : INT64_MAX;
+  if (is_r16(W.fmt)) {
+    const int64_t amx = amx_engine(W, kn, INT64_MAX) >= 0 ? kn.amx_min_tokens : INT64_MAX;
+    return std::min(amx, W.fmt == kBF16R16 && W.act_bf16 ? kn.r16_onednn_min_tokens : INT64_MAX);
+  }
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
