@@ -38,9 +38,10 @@ from engine.fingerprint import fingerprint
 from engine.weights.presets import cache_root
 
 BUFFER_BYTES = 512 << 20  # at least; twice the last-level cache where that is larger (read_buffer_bytes)
-VERSION = 4  # 2: several read methods (best kept), the dot-product peaks, the ISA variants; 3: 2 × LLC at least;
+VERSION = 5  # 2: several read methods (best kept), the dot-product peaks, the ISA variants; 3: 2 × LLC at least;
 # 4: the AVX2 build's FMA and madd peaks on 256-bit registers (its 512-bit loops spilled: half the peak), and
-# the madd peak as 8 chains of vpmaddwd (it timed one vpmaddwd and 8 vpaddd a round)
+# the madd peak as 8 chains of vpmaddwd (it timed one vpmaddwd and 8 vpaddd a round); 5: the 512-bit madd,
+# VNNI and BF16-dot peaks on 16 chains (8 were latency-bound on Intel's two 512-bit ports: INT8 GEMMs ran 117 %)
 # (streams per thread, cache lines per step, prefetch bytes ahead, non-temporal loads)
 READ_METHODS = [m for m in itertools.product((1, 2, 4, 8), (1, 4), (0, 1024), (False, True))]
 

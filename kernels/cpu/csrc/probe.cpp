@@ -145,9 +145,14 @@ double fma_gflops(int64_t iters) {
   return 2.0 * (kAvx2Build ? 8 : 16) * 12 * iters * threads / dt / 1e9;
 }
 
-// GOP/s (multiply-adds × 2) of vpmaddwd on int16 (32 products; the INT8 path without VNNI), 8 independent
-// chains, each product the next one's input (the int32 sums read again as int16 pairs); in the AVX2 build on
-// 256-bit registers (16 products), as fma_gflops. (Before: a[j] += madd(w, x) with the same w and x for every
+// Independent chains the 512-bit integer and BF16 dot-product peaks run per thread: Intel's two 512-bit ports
+// take one vpmaddwd / vpdpbusd / vdpbf16ps each per cycle at a latency of 5, so a peak needs 10 in flight (8
+// measured 754 GOP/s of vpdpbusd on an Ice Lake-class Xeon where the INT8 GEMM then ran 884).
+constexpr int kDotChains = 16;
+
+// GOP/s (multiply-adds × 2) of vpmaddwd on int16 (32 products; the INT8 path without VNNI), kDotChains
+// independent chains, each product the next one's input (the int32 sums read again as int16 pairs); in the
+// AVX2 build 8 chains on 256-bit registers (16 products), as fma_gflops. (Before: a[j] += madd(w, x) with the same w and x for every
 // j, which GCC computed once per round: it timed one vpmaddwd and 8 vpaddd.)
 double int16_madd_gops(int64_t iters) {
   int64_t sink = 0;
@@ -169,23 +174,23 @@ double int16_madd_gops(int64_t iters) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[0]);
     for (int j = 0; j < 8; ++j) sink += lanes[j];
 #else
-    __m512i a[8];
+    __m512i a[kDotChains];
     const __m512i w = _mm512_set1_epi16(3);
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_set1_epi32(j);
+    for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_set1_epi32(j);
     for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm512_madd_epi16(a[j], w);
+#pragma GCC unroll 16
+      for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_madd_epi16(a[j], w);
     }
-    for (int j = 1; j < 8; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
+    for (int j = 1; j < kDotChains; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
     sink += _mm512_reduce_add_epi32(a[0]);
 #endif
   }
   const double dt = now() - t0;
   if (sink == 12345) std::printf(" ");
-  return 2.0 * (kAvx2Build ? 16 : 32) * 8 * iters * threads / dt / 1e9;
+  return 2.0 * (kAvx2Build ? 16 * 8 : 32 * kDotChains) * iters * threads / dt / 1e9;
 }
 
-// GOP/s of vpdpbusd (AVX512-VNNI: 64 u8 × s8 multiply-adds per instruction), 8 chains per thread.
+// GOP/s of vpdpbusd (AVX512-VNNI: 64 u8 × s8 multiply-adds per instruction), kDotChains chains per thread.
 MOETUNE_TARGET_VNNI double vnni_int8_gops(int64_t iters) {
   TORCH_CHECK(usable_features() & kFeatVnni, "this CPU has no AVX512-VNNI (or it is masked off)");
 #ifdef MOETUNE_AVX2_BUILD
@@ -197,25 +202,25 @@ MOETUNE_TARGET_VNNI double vnni_int8_gops(int64_t iters) {
 #pragma omp parallel reduction(+ : sink)
   {
     threads = omp_get_num_threads();
-    __m512i a[8];
+    __m512i a[kDotChains];
     const __m512i w = _mm512_set1_epi8(3);
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_set1_epi32(j);
+    for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_set1_epi32(j);
     __m512i x = _mm512_set1_epi8(1);
     for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm512_dpbusd_epi32(a[j], x, w);
+#pragma GCC unroll 16
+      for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_dpbusd_epi32(a[j], x, w);
       x = _mm512_xor_si512(x, w);
     }
-    for (int j = 1; j < 8; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
+    for (int j = 1; j < kDotChains; ++j) a[0] = _mm512_add_epi32(a[0], a[j]);
     sink += _mm512_reduce_add_epi32(a[0]);
   }
   const double dt = now() - t0;
   if (sink == 12345) std::printf(" ");
-  return 2.0 * 64 * 8 * iters * threads / dt / 1e9;
+  return 2.0 * 64 * kDotChains * iters * threads / dt / 1e9;
 #endif
 }
 
-// GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 multiply-adds per instruction), 12 chains per thread.
+// GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 multiply-adds per instruction), kDotChains chains per thread.
 MOETUNE_TARGET_BF16 double bf16_dot_gflops(int64_t iters) {
   TORCH_CHECK(usable_features() & kFeatBf16, "this CPU has no AVX512-BF16 (or it is masked off)");
 #ifdef MOETUNE_AVX2_BUILD
@@ -227,19 +232,19 @@ MOETUNE_TARGET_BF16 double bf16_dot_gflops(int64_t iters) {
 #pragma omp parallel reduction(+ : sink)
   {
     threads = omp_get_num_threads();
-    __m512 a[12];
-    for (int j = 0; j < 12; ++j) a[j] = _mm512_set1_ps(1.f + j * 1e-3f);
+    __m512 a[kDotChains];
+    for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_set1_ps(1.f + j * 1e-3f);
     const __m512i m = _mm512_set1_epi16(0x3F80), c = _mm512_set1_epi16(0x3000);  // bf16 1.0, 2^-31
     for (int64_t i = 0; i < iters; ++i)
-#pragma GCC unroll 12
-      for (int j = 0; j < 12; ++j) a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)m, (__m512bh)c);
+#pragma GCC unroll 16
+      for (int j = 0; j < kDotChains; ++j) a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)m, (__m512bh)c);
     __m512 s = a[0];
-    for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, a[j]);
+    for (int j = 1; j < kDotChains; ++j) s = _mm512_add_ps(s, a[j]);
     sink += hsum(s);
   }
   const double dt = now() - t0;
   if (sink == 1234.5) std::printf(" ");
-  return 2.0 * 32 * 12 * iters * threads / dt / 1e9;
+  return 2.0 * 32 * kDotChains * iters * threads / dt / 1e9;
 #endif
 }
 
