@@ -110,14 +110,18 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "contiguous line per 16 rows per step and multiplies each token's pair broadcast into 16-row "
          "accumulators, no horizontal sums; every token count runs on it, except on AMX CPUs from "
          "cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles). auto: r16 where the CPU "
-         "has AVX512-BF16 and no AMX (r16 against rows not yet measured on AMX), else rows. A stack "
+         "has no AMX (r16 against rows not yet measured on AMX) and runs AVX512-BF16 or the AVX-512 build (float32 "
+         "FMAs on the pair's halves without AVX512-BF16: on an Emerald Rapids VM, AVX512-BF16 and AMX hidden, "
+         "x1.00 / x1.13 / x1.58 / x1.45 rows' speed at 1 / 16 / 128 / 512 tokens, `small`), else rows. A stack "
          "whose rows are not a multiple of 32 (gate|up: of 16 per half) or whose K is odd stays rows",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_bf16_linear_layout", str, "auto", "kernels/cpu",
          "CPU kernels, BF16 linears, chosen at load: rows, or r16 (as cpu_bf16_expert_layout: repacked once in "
          "place: the r16 tiles, AMX's GEMM on the blocks from cpu_amx_min_tokens where AMX runs, and oneDNN on rows "
-         "restored block by block from cpu_r16_onednn_min_tokens for bf16 activations); auto: r16 where the CPU "
-         "has AVX512-BF16 and no AMX. A weight whose rows are not a multiple of 16 or whose K is odd stays rows. "
+         "restored block by block from cpu_r16_onednn_min_tokens for bf16 activations); auto: as "
+         "cpu_bf16_expert_layout's (Emerald Rapids VM, AVX512-BF16 hidden, [11264, 2048]: x1.01 at 1 token, "
+         "x1.21 at 512 against rows' unpack + BLAS). A weight whose rows are not a multiple of 16 or whose K is "
+         "odd stays rows. "
          "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
          "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1",
          choices=("auto", "rows", "r16"), tune=False),
@@ -155,16 +159,19 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "4-byte unit of 4 fp8, repacked once in place: per unit one line per 16 rows turned into bf16 pairs in "
          "registers against each token's 4 activations broadcast, on vdpbf16ps for bf16 activations, else float32 "
          "FMAs on the exact values; the block scale per group; every token count on it, no GEMM path). auto: r16 "
-         "where the CPU has AVX512-BF16 and no AMX, else rows. Scale blocks not of whole 16 rows, or rows not a "
+         "where the CPU has no AMX and runs AVX512-BF16 or the AVX-512 build (without AVX512-BF16, on an Emerald "
+         "Rapids VM: x1.00 / x1.02 / x1.64 / x1.38 rows' speed at 1 / 16 / 128 / 512 tokens, `small`), else "
+         "rows. Scale blocks not of whole 16 rows, or rows not a "
          "multiple of 32 (16 for a linear), stay rows. r16 against rows, python -m suites.moe_ab (alternating): "
          "AMD Zen 4 VM, decode tiles of 64 rows (cpu_r16_fp8_rows), T=1: `small` x1.01-1.28, V3 x1.03-1.38 (rows "
          "run compute-bound at about 30 GB/s); 128 / 512 tokens x1.90 / x1.41. AMD Zen 5 VM (32 rows then): "
          "prefill x1.57 / x1.40, decode x0.84-0.86 `small`, x0.92 V3 (x0.93-0.99 / x1.01 with 64)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_fp8_linear_layout", str, "rows", "kernels/cpu",
-         "CPU kernels, FP8 linears, chosen at load: rows, or r16 (as cpu_fp8_expert_layout); auto: r16 where the "
-         "CPU has AVX512-BF16 and no AMX. Default rows: r16 has no GEMM path; AMD Zen 4 VM, [11264, 2048] r16 "
-         "against rows x1.16 at T=1, x0.84 at 512 tokens (python -m suites.moe_ab --linear)",
+         "CPU kernels, FP8 linears, chosen at load: rows, or r16 (as cpu_fp8_expert_layout); auto: as "
+         "cpu_fp8_expert_layout's. Default rows: r16 has no GEMM path; AMD Zen 4 VM, [11264, 2048] r16 against "
+         "rows x1.16 at T=1, x0.84 at 512 tokens (python -m suites.moe_ab --linear); Emerald Rapids VM without "
+         "AVX512-BF16 x1.02 / x0.80",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_r16_rows", int, 32, "kernels/cpu",
          "CPU linear and fused MoE on BF16 r16 weights (cpu_bf16_expert_layout and linear_layout; INT8, INT4 and "

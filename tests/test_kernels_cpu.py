@@ -633,6 +633,9 @@ R16_CASES = {
     "t1": (1, 9, 256, 96, 3, None),
 }
 BF16_NATIVE = "avx512_bf16" in cpu.features()
+# BF16 and FP8 auto layouts without AVX512-BF16 (and without AMX): r16 on the AVX-512 build's float32 FMAs, rows on
+# the AVX2 build's model of them
+FLOAT_R16 = cpu._ext.BUILD == "avx512"
 # the r16 sweep at every token count: on AMX CPUs r16 BF16 / INT8 weights take AMX's GEMM from cpu_amx_min_tokens
 # (gemm_r16, tests/test_amx.py)
 SWEEP = {"cpu_amx_min_tokens": 1 << 20}
@@ -745,13 +748,15 @@ def test_r16_layout_resolution_and_prepare():
     w13, _ = moe_weights(4, 64, 32, "bf16")
     try:
         for value, mask, want in (("rows", {"avx512_bf16"}, cpu.FORMAT_IDS["bf16"]), ("r16", set(), cpu.R16_ID),
-                                  ("auto", set(), cpu.FORMAT_IDS["bf16"])):
+                                  ("auto", set(), cpu.R16_ID if FLOAT_R16 else cpu.FORMAT_IDS["bf16"])):
             cpu.configure({"cpu_bf16_expert_layout": value})
             with cpu.feature_mask(mask):
                 assert cpu.prepare(w13).args[0] == want, (value, mask)
         cpu.configure({"cpu_bf16_expert_layout": "auto"})
-        with cpu.feature_mask({"avx512_bf16"}):  # auto: r16 where AVX512-BF16 runs and AMX does not
-            assert cpu.bf16_expert_layout() == ("r16" if BF16_NATIVE else "rows")
+        with cpu.feature_mask({"avx512_bf16"}):  # auto: r16 where AVX512-BF16 or the AVX-512 build runs, AMX not
+            assert cpu.bf16_expert_layout() == ("r16" if BF16_NATIVE or FLOAT_R16 else "rows")
+        with cpu.feature_mask(set()):
+            assert cpu.bf16_expert_layout() == ("r16" if FLOAT_R16 else "rows")
         with cpu.feature_mask({"avx512_bf16", "amx"}):
             if "amx" in cpu.features():
                 assert cpu.bf16_expert_layout() == "rows"
@@ -878,13 +883,13 @@ def test_r16_linear_layout_resolution():
     w = make_weight(torch.randn(64, 64), "bf16")
     try:
         for value, mask, want in (("rows", {"avx512_bf16"}, cpu.FORMAT_IDS["bf16"]), ("r16", set(), cpu.R16_ID),
-                                  ("auto", set(), cpu.FORMAT_IDS["bf16"])):
+                                  ("auto", set(), cpu.R16_ID if FLOAT_R16 else cpu.FORMAT_IDS["bf16"])):
             cpu.configure({"cpu_bf16_linear_layout": value, "cpu_bf16_expert_layout": "rows"})
             with cpu.feature_mask(mask):
                 assert cpu.prepare(w).args[0] == want, (value, mask)
         with cpu.feature_mask({"avx512_bf16"}):
             cpu.configure({"cpu_bf16_linear_layout": "auto"})
-            assert cpu.bf16_linear_layout() == ("r16" if BF16_NATIVE else "rows")
+            assert cpu.bf16_linear_layout() == ("r16" if BF16_NATIVE or FLOAT_R16 else "rows")
             # the two knobs are apart: the experts' says nothing about linears
             assert cpu.bf16_expert_layout() == "rows"
     finally:
@@ -1007,7 +1012,8 @@ def test_int8_r16_layout_resolution_and_prepare():
         with cpu.feature_mask({"avx512_vnni"}):  # auto: r16 where AVX512-VNNI runs and AMX does not
             assert cpu.int8_expert_layout() == ("r16" if VNNI_NATIVE else "rows")
             assert cpu.int8_linear_layout() == "rows"  # the two knobs are apart
-            assert cpu.bf16_expert_layout() == "rows"  # and apart from BF16's (no AVX512-BF16 under this mask)
+            # and apart from BF16's (no AVX512-BF16 under this mask: the AVX-512 build's float32 r16)
+            assert cpu.bf16_expert_layout() == ("r16" if FLOAT_R16 else "rows")
         with cpu.feature_mask({"avx512_vnni", "amx"}):
             if "amx" in cpu.features():
                 assert cpu.int8_expert_layout() == "rows"
@@ -1243,10 +1249,14 @@ def test_fp8_r16_layout_resolution_and_refusals():
     try:
         cpu.configure({"cpu_fp8_expert_layout": "auto"})
         with cpu.feature_mask({"avx512_bf16"}):
-            assert cpu.fp8_expert_layout() == ("r16" if BF16_NATIVE else "rows")
-            assert cpu.prepare(w13).args[0] == (cpu.F8R16_ID if BF16_NATIVE else cpu.FORMAT_IDS["fp8"])
-        with cpu.feature_mask(set()):
-            assert cpu.fp8_expert_layout() == "rows" and cpu.prepare(w13).args[0] == cpu.FORMAT_IDS["fp8"]
+            assert cpu.fp8_expert_layout() == ("r16" if BF16_NATIVE or FLOAT_R16 else "rows")
+            assert cpu.prepare(w13).args[0] == (cpu.F8R16_ID if BF16_NATIVE or FLOAT_R16 else cpu.FORMAT_IDS["fp8"])
+        with cpu.feature_mask(set()):  # without AVX512-BF16: r16 on the AVX-512 build's float32 FMAs
+            want = cpu.F8R16_ID if FLOAT_R16 else cpu.FORMAT_IDS["fp8"]
+            assert cpu.fp8_expert_layout() == ("r16" if FLOAT_R16 else "rows") and cpu.prepare(w13).args[0] == want
+        with cpu.feature_mask({"avx512_bf16", "amx"}):
+            if "amx" in cpu.features():
+                assert cpu.fp8_expert_layout() == "rows"
     finally:
         cpu.configure({n: cpu.KNOB_DEFAULTS[n] for n in names})
     odd = formats.quantize_fp8_block(torch.randn(64, 256), block=(8, 128))  # scale blocks of 8 rows

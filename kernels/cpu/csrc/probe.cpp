@@ -147,13 +147,14 @@ double fma_gflops(int64_t iters) {
 
 // Independent chains the 512-bit integer and BF16 dot-product peaks run per thread: Intel's two 512-bit ports
 // take one vpmaddwd / vpdpbusd / vdpbf16ps each per cycle at a latency of 5, so a peak needs 10 in flight (8
-// measured 754 GOP/s of vpdpbusd on an Ice Lake-class Xeon where the INT8 GEMM then ran 884).
+// measured 754 GOP/s of vpdpbusd on an Emerald Rapids VM, AVX512-BF16 and AMX hidden, where the INT8 GEMM then
+// ran 884; 16 measure 1279).
 constexpr int kDotChains = 16;
 
 // GOP/s (multiply-adds × 2) of vpmaddwd on int16 (32 products; the INT8 path without VNNI), kDotChains
 // independent chains, each product the next one's input (the int32 sums read again as int16 pairs); in the
-// AVX2 build 8 chains on 256-bit registers (16 products), as fma_gflops. (Before: a[j] += madd(w, x) with the same w and x for every
-// j, which GCC computed once per round: it timed one vpmaddwd and 8 vpaddd.)
+// AVX2 build 8 chains on 256-bit registers (16 products), as fma_gflops. (Before: a[j] += madd(w, x) with the
+// same w and x for every j, which GCC computed once per round: it timed one vpmaddwd and 8 vpaddd.)
 double int16_madd_gops(int64_t iters) {
   int64_t sink = 0;
   const double t0 = now();
