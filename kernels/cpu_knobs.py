@@ -83,7 +83,14 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "prefetches the next tile at the offset being read); 0: always the next tile at the offset being "
          "read (a whole tile ahead, which overruns L1 on long rows). r16 weights: ahead in a 16-row block's "
          "stream (16 rows, contiguous), at most one block (INT4 r16 on an AMD Zen 4 VM: 512 / 1024 / 2048 "
-         "within 1 % at T=1)", choices=(0, 64, 128, 256, 512, 1024, 2048, 4096)),
+         "within 1 % at T=1)", choices=(0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
+    Knob("cpu_r16_int4_prefetch_ahead", int, 4096, "kernels/cpu",
+         "CPU microkernels on INT4 r16 weights (fused MoE experts, decode): bytes ahead in a 16-row block's stream "
+         "their weight prefetch reads, in place of cpu_prefetch_ahead (0: as cpu_prefetch_ahead; at most one "
+         "block). Emerald Rapids VM (AVX512-VNNI, no AVX512-BF16; python -m suites.moe_ab, alternating), 4096 "
+         "against 2048: `small` T=1 x1.04-1.09 in eight runs (INT4 x1.48-1.75 INT8's speed, INT8 at 4096 x0.98), "
+         "V3 x1.04-1.05, `small` T=4 x1.00; 8192 and 16384 as 4096",
+         choices=(0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
     Knob("cpu_prefetch_hint", str, "t2", "kernels/cpu",
          "CPU microkernels: the cache level their software prefetch of weight rows (cpu_prefetch_ahead) fills: "
          "L1 (t0, prefetcht0), L2 (t1), the outer levels (t2: L3 on Intel, L2 on AMD), or none (the hardware "

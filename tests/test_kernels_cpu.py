@@ -709,7 +709,8 @@ def test_r16_one_stack_in_each_layout(layouts):
 R16_KNOBS = [(n, v) for n in ("cpu_r16_rows", "cpu_r16_int8_rows", "cpu_r16_int4_rows", "cpu_r16_fp8_rows",
                               "cpu_r16_prefill_rows", "cpu_r16_tokens", "cpu_r16_bf16_tokens", "cpu_r16_bf16_one_group",
                               "cpu_r16_next_prefetch", "cpu_r16_tile_blocks",
-                              "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n", "cpu_moe_int4_tasks")
+                              "cpu_prefill_prefetch_hint", "cpu_prefetch_hint", "cpu_moe_block_n", "cpu_moe_int4_tasks",
+                              "cpu_r16_int4_prefetch_ahead")
              for v in knob_samples(n)]
 
 

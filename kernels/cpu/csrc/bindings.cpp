@@ -109,6 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("r16_bf16_one_group", &Knobs::r16_bf16_one_group)
       .def_readwrite("r16_tile_blocks", &Knobs::r16_tile_blocks)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
+      .def_readwrite("r16_int4_prefetch_ahead", &Knobs::r16_int4_prefetch_ahead)
       .def_readwrite("k_block", &Knobs::k_block)
       .def_readwrite("prefetch_hint", &Knobs::prefetch_hint)
       .def_readwrite("prefill_prefetch_hint", &Knobs::prefill_prefetch_hint)

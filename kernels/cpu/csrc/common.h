@@ -173,6 +173,7 @@ struct Knobs {
   int64_t prefill_prefetch_ahead = -1;  // ... their bytes ahead in the row, as prefetch_ahead
   int64_t r16_rows = 0;          // r16 experts: rows per register tile, one token group (16, 32, 64)
   int64_t r16_int4_rows = 0;     // ... on INT4 r16 weights (16, 32, 64)
+  int64_t r16_int4_prefetch_ahead = -1;  // INT4 r16 weights: prefetch_ahead's bytes ahead instead (0: prefetch_ahead)
   int64_t r16_fp8_rows = 0;      // ... on FP8 r16 weights (16, 32, 64)
   int64_t r16_int8_rows = 0;     // ... on INT8 r16 weights (16, 32, 64)
   int64_t r16_prefill_rows = 0;  // ... several token groups

@@ -75,7 +75,9 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.int4_i8 = (fmt == kInt4 && kn.int4_method == kInt4Int8 && group % 128 == 0) || fmt == kInt4R16;
   v.int4_int = fmt == kInt4 && !v.int4_i8 && kn.int4_method != kInt4Float && group % 64 == 0;
   v.fp8_widen = fmt == kFp8 && kn.fp8_method == kFp8Widen && group % 64 == 0;
-  v.prefetch_dist = prefetch_distance(kn.prefetch_ahead, v);
+  // INT4 r16: its own distance where cpu_r16_int4_prefetch_ahead sets one
+  v.prefetch_dist = prefetch_distance(fmt == kInt4R16 && kn.r16_int4_prefetch_ahead > 0 ? kn.r16_int4_prefetch_ahead
+                                                                                       : kn.prefetch_ahead, v);
   v.prefetch_hint = kn.prefetch_hint;
   if (scale.defined() && scale.numel()) {
     TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
@@ -122,10 +124,10 @@ void Knobs::check() const {
   TORCH_CHECK(micro_wide == 0 || get_micro_bf16_dot_wide(kBF16DpModel, (int)micro_wide), "micro_wide must be 0, 6, 8 or 12");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && moe_int4_tasks >= 0 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
                   amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && r16_onednn_min_tokens >= 1 && prefetch_ahead >= 0 &&
-                  prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
+                  prefetch_ahead % 64 == 0 && r16_int4_prefetch_ahead >= 0 && r16_int4_prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
               "moe_int4_tasks ≥ 0, linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens ≥ 0, "
-              "dot_gemm_min_tokens, bf16_gemm_min_tokens, r16_onednn_min_tokens must be ≥ 1, prefetch_ahead a multiple of 64 ≥ 0, "
+              "dot_gemm_min_tokens, bf16_gemm_min_tokens, r16_onednn_min_tokens must be ≥ 1, prefetch_ahead and r16_int4_prefetch_ahead multiples of 64 ≥ 0, "
               "k_block a multiple of 32 ≥ 32");
   TORCH_CHECK(fp8_method >= kFp8Vector && fp8_method <= kFp8Widen && bf16_method >= kBf16Widen &&
                   bf16_method <= kBf16MethodAuto && tile_rows >= kTileAdjacent && tile_rows <= kTileSpread &&
