@@ -15,8 +15,9 @@ an Optuna storage (SQLite by default, PostgreSQL via a URL: several processes tu
 resumed by name; `trials` is the study's total, so a rerun after Ctrl-C does the rest.
 
 Before anything is written, `confirm` re-measures the best few and the defaults alternately, round
-by round; a candidate is kept only if its gain over the defaults, paired round by round, stays above
-zero across the spread (p10 of the paired gains > 0).
+by round (at least three rounds, a time budget notwithstanding); a candidate is kept only if its gain
+over the defaults, paired round by round, stays above zero across the spread (p10 of the paired
+gains > 0).
 
 Workload mixes. An objective may measure several points (`points`: labels such as `prompt 128/16`,
 `batch 4 × 128/16`); its runner then returns one sample per (metric, point) under
@@ -75,6 +76,9 @@ class WrongAnswer(TrialFailure):
 
 class TrialTimeout(TrialFailure):
     status = "timeout"
+
+
+MIN_CONFIRM_ROUNDS = 3  # the confirmation's rounds, whatever the time budget (see Tuner.confirm)
 
 
 def sample_key(metric: str, point: str = "") -> str:
@@ -483,13 +487,18 @@ class Tuner:
         cands = [c for c in cands if c.label in runners]
         if "defaults" not in runners:
             return TuneResult(self.study_name, None, {}, False, cands, self.obj.metrics, self.finished())
+        # Never fewer than MIN_CONFIRM_ROUNDS (or confirm_rounds if smaller), whatever the budget says: the
+        # median of two paired gains is their mean, so one round that a burst of load slowed for the
+        # defaults decided it (session 34's clean-clone `make run`: 2-round confirmations kept "+410 %").
+        least = min(MIN_CONFIRM_ROUNDS, self.cfg.confirm_rounds)
         for r in range(self.cfg.confirm_rounds):
             t = time.monotonic()
             order = cands[r % len(cands):] + cands[:r % len(cands)]  # rotate who goes first
             for c in order:
                 for name, v in runners[c.label]().items():
                     c.samples.setdefault(name, []).append(float(v))
-            if r >= 1 and time.monotonic() + (time.monotonic() - t) > self._deadline:
+            if r + 1 >= least and r + 1 < self.cfg.confirm_rounds and \
+                    time.monotonic() + (time.monotonic() - t) > self._deadline:
                 log.info("confirmation cut to %d rounds by the time budget", r + 1)
                 break
         self._pair_gains(cands)
