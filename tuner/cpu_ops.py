@@ -6,7 +6,9 @@ Registered by `register_cpu_ops()` (called from tuner.kernel_tier.kernel_ops) on
 backend imports on this machine and its knobs (kernels.cpu.KNOB_DEFAULTS) are in the catalogue.
 Shapes are the `small` preset's (D = 2048, I = 1408, top-6) with 8 experts, so one configuration
 is checked and timed in seconds; the verify step compares with kernels.reference on the same
-quantized weights. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
+quantized weights. The timed calls cycle through copies of the weights (linear), other routings and,
+where the stacks are small, copies of them (fused MoE), or copies of the caches (decode attention),
+≥ 2 × the last-level cache in all, so each call reads them from DRAM as in a model's step. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
 cache R = 512, P = 64 in shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128,
 no prefix), bf16 queries.
 
@@ -164,6 +166,76 @@ def _paged_extend_work(bucket: dict, fmt: str) -> dict:
     return {"bytes": BITS[fmt] // 8 * t * (h * (dk + dv) + hkv * (dk + dv)), "flops": h * (dk + dv) * t * (t + 1)}
 
 
+# ------------------------------------------------------------------ cold weights: what the timed calls cycle through
+
+MAX_COPIES = 512  # copies of one small weight at most (a 0.5 MB router would take ~1000 for 2 × a 260 MB L3)
+
+
+def _copy(t):
+    """A copy of a weight's or cache's tensor, in the storage prepare() gives weights (huge pages from
+    2 MiB); anything else as it is."""
+    import kernels.cpu as cpu
+
+    if not isinstance(t, torch.Tensor):
+        return t
+    out = cpu.weight_empty(t.shape, t.dtype) if t.is_contiguous() else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return out.copy_(t)
+
+
+def _weight_copy(w):
+    """A prepared weight (kernels.cpu.Packed) with its tensors copied, or a tensor's copy."""
+    import kernels.cpu as cpu
+
+    return dataclasses.replace(w, args=tuple(_copy(a) for a in w.args)) if isinstance(w, cpu.Packed) else _copy(w)
+
+
+def _copies(nbytes: int, cap: int = MAX_COPIES) -> int:
+    """How many copies of `nbytes` a cycle needs to stream ≥ 2 × the last-level cache (suites.kernels'
+    rule for its linear cases), at most `cap`."""
+    from suites.kernels import weight_copies
+
+    return max(1, min(cap, weight_copies(int(nbytes))))
+
+
+_last_copies: list = [None, []]  # (the weight's layout, its copies): the last linear's, kept for the next study
+
+
+def _linear_rotate(a: tuple) -> list[tuple]:
+    """Copies of the weight; a study of the same weight layout as the one before (the next token bucket)
+    reuses that one's copies: equal in every timing respect, and the copying (~1 s for 2 × a 260 MB L3)
+    done once per shape instead of once per bucket."""
+    import kernels.cpu as cpu
+
+    w = a[1]
+    parts = w.args if isinstance(w, cpu.Packed) else (w,)
+    key = tuple((t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t for t in parts)
+    if _last_copies[0] != key:
+        _last_copies[:] = [None, []]  # the previous copies freed before the new ones are made
+        _last_copies[:] = [key, [_weight_copy(w) for _ in range(_copies(w.nbytes) - 1)]]
+    return [a] + [(a[0], c, a[2]) for c in _last_copies[1]]
+
+
+def _moe_rotate(a: tuple) -> list[tuple]:
+    """Other routings (suites.kernels.ROUTINGS of them: one call's experts are another's only by chance),
+    and copies of the expert stacks where they are too small for routings alone to leave the cache."""
+    from suites.kernels import ROUTINGS, random_routes
+
+    x, w13, w2, _, ids, r13, r2 = a
+    stacks = [(w13, w2)] + [(_weight_copy(w13), _weight_copy(w2)) for _ in range(_copies(w13.nbytes + w2.nbytes, 8) - 1)]
+    routes = random_routes(ids.shape[0], w13.shape[0], ids.shape[1], torch.Generator().manual_seed(ids.shape[0]),
+                           n=ROUTINGS)
+    return [a] + [(x, *stacks[i % len(stacks)], *routes[(i - 1) % len(routes)], r13, r2)
+                  for i in range(1, max(len(stacks), len(routes) + 1))]
+
+
+def _cache_rotate(*at: int):
+    """Copies of the attention caches at positions `at` of the arguments (decode reads every layer's)."""
+    def rotate(a: tuple) -> list[tuple]:
+        n = _copies(sum(a[i].nbytes for i in at), 64)
+        return [a] + [tuple(_copy(v) if i in at else v for i, v in enumerate(a)) for _ in range(n - 1)]
+    return rotate
+
+
 def _registered(names) -> dict[str, tuple[str, ...]]:
     """Each kernel-tier op's knobs: the backend's declaration of what each op reads (OP_KNOBS)."""
     from kernels.cpu_knobs import OP_KNOBS
@@ -183,20 +255,21 @@ def _make_op(name: str, knobs: tuple, formats: tuple, buckets: tuple) -> KernelO
         return KernelOp("linear", knobs, formats, buckets, _linear_inputs,
                         run=lambda a, **k: cpu.linear(a[0], a[1], knobs=k),
                         reference=lambda a: reference.linear(a[0], a[2]), atol=5e-2, rtol=3e-2, work=_linear_work,
-                        catalogue=runnable_catalogue(cpu))
+                        catalogue=runnable_catalogue(cpu), rotate=_linear_rotate)
     if name == "fused_moe":
         return KernelOp("fused_moe", knobs, formats, buckets, _moe_inputs,
                         run=lambda a, **k: cpu.fused_moe(*a[:5], knobs=k),
                         reference=lambda a: reference.fused_moe(a[0], a[5], a[6], a[3], a[4]), atol=5e-2,
-                        rtol=3e-2, work=_moe_work, catalogue=runnable_catalogue(cpu))
+                        rtol=3e-2, work=_moe_work, catalogue=runnable_catalogue(cpu), rotate=_moe_rotate)
     if name == "cpu_mla_decode":
         return KernelOp("cpu_mla_decode", knobs, formats, buckets, _mla_inputs,
                         run=lambda a, **k: cpu.mla_decode(*a, knobs=k), reference=lambda a: reference.mla_decode(*a),
-                        atol=1e-2, rtol=1e-2, work=_mla_work)
+                        atol=1e-2, rtol=1e-2, work=_mla_work, rotate=_cache_rotate(2))
     if name == "cpu_paged_decode":
         return KernelOp("cpu_paged_decode", knobs, formats, buckets, _paged_decode_inputs,
                         run=lambda a, **k: cpu.paged_decode(*a, knobs=k),
-                        reference=lambda a: reference.paged_decode(*a), atol=1e-2, rtol=1e-2, work=_paged_decode_work)
+                        reference=lambda a: reference.paged_decode(*a), atol=1e-2, rtol=1e-2, work=_paged_decode_work,
+                        rotate=_cache_rotate(1, 2))
     if name == "cpu_paged_extend":
         return KernelOp("cpu_paged_extend", knobs, formats, buckets, _paged_extend_inputs,
                         run=lambda a, **k: cpu.paged_extend(*a, knobs=k),

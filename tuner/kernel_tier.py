@@ -13,8 +13,10 @@ An op joins by registering a `KernelOp` adapter (suites/kernels.py or a backend 
 Every configuration is run once and compared with the reference *before* it is timed: a wrong
 answer is a failed trial (status "wrong"), never a winner. A timing sample is the fastest of a few
 back-to-back calls (`KernelObjective.SAMPLE_S`), so a burst of load from elsewhere cannot pass for a
-gain. The winners form a table per op, stored in the profile's [kernel_tables] and looked up at run
-time by the nearest bucket (`lookup`: distance in log2 of each numeric bucket field).
+gain, and the calls cycle through copies of the op's weights (`KernelOp.rotate`), so each finds them in
+DRAM as a model's step does, not in a cache that held them since the call before. The winners form
+a table per op, stored in the profile's [kernel_tables] and looked up at run time by the nearest
+bucket (`lookup`: distance in log2 of each numeric bucket field).
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ class KernelOp:
     rtol: float = 1e-3
     catalogue: dict[str, Knob] | None = None  # None: engine.knobs.CATALOGUE
     work: Callable[[dict, str], dict] | None = None  # bucket, format → {"bytes", "flops"}
+    # args → the argument tuples the timed calls cycle through (copies of the weights or caches, other
+    # routings): each call then finds its weights in DRAM, as a model's step does after streaming every
+    # other layer's since; None: the same arguments every call (the verify step always uses make_inputs')
+    rotate: Callable[[tuple], list[tuple]] | None = None
 
 
 _OPS: dict[str, KernelOp] = {}
@@ -101,6 +107,8 @@ class KernelObjective:
         self.extra = self.op.work(self.bucket, self.format) if self.op.work else {}
         self._args = self.op.make_inputs(self.bucket, self.format)
         self._ref = self.op.reference(self._args)
+        self._cycle = self.op.rotate(self._args) if self.op.rotate else [self._args]
+        self._turn = 0  # the next call's place in the cycle, shared by every configuration's timer
 
     # A sample is the fastest of back-to-back calls: at least MIN_CALLS, and more until SAMPLE_S has passed
     # (at most MAX_CALLS), with Python's garbage collector off meanwhile (timeit's rules). Load from elsewhere
@@ -115,7 +123,7 @@ class KernelObjective:
     def prepare(self, knobs: dict) -> Callable[[], dict[str, float]]:
         """Verify the configuration against the reference, then return a timer of one sample."""
         check_close(self.op.run(self._args, **knobs), self._ref, self.op.atol, self.op.rtol)
-        run, args, least, most, span = self.op.run, self._args, self.MIN_CALLS, self.MAX_CALLS, self.SAMPLE_S
+        run, cycle, least, most, span = self.op.run, self._cycle, self.MIN_CALLS, self.MAX_CALLS, self.SAMPLE_S
 
         def timed() -> dict[str, float]:
             collecting = gc.isenabled()
@@ -123,6 +131,8 @@ class KernelObjective:
             try:
                 best, n, t0 = math.inf, 0, time.perf_counter()
                 while n < least or (n < most and time.perf_counter() - t0 < span):
+                    args = cycle[self._turn % len(cycle)]
+                    self._turn += 1
                     t = time.perf_counter()
                     run(args, **knobs)
                     best, n = min(best, time.perf_counter() - t), n + 1
