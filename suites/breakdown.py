@@ -2,7 +2,7 @@
 
     python -m suites.breakdown --model tiny|small [--dtype bfloat16] [--prompt-len 128] [--decode 16]
                                [--batch 1] [--repeats 5] [--backend auto] [--knob NAME=VALUE ...]
-                               [--no-probe] [--no-store] [--json]
+                               [--profile auto|PATH] [--no-probe] [--no-store] [--json]
     python -m suites.e2e --breakdown ...   (the same, from the end-to-end suite's arguments)
 
 How: the model's kernel backend is wrapped (`OpTimer`) so that every op call is timed with
@@ -403,7 +403,7 @@ def add_bandwidth(result: dict, read_gbps: float | None) -> dict:
 # ---------------------------------------------------------------- output
 
 
-def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict) -> list[dict]:
+def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict, profile: str | None = None) -> list[dict]:
     """The result as result-store rows (see the module docstring)."""
     out = []
     base = {"prompt_len": result["prompt_len"], "batch": result["batch"], "decode_steps": result["decode_steps"]}
@@ -430,6 +430,7 @@ def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict) -> list
                         "samples": st["samples"], "extra": extra})
     for r in out:
         r.update({"model": model, "format": fmt, "knobs": knobs})
+        r["extra"] = {**r["extra"], "profile": profile}
     return out
 
 
@@ -500,10 +501,12 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
     from engine.llm import _format_name
 
     fmt = _format_name(llm.config, result["dtype"])
+    prof = getattr(llm, "profile", None)
+    result["profile"] = str(prof.path) if prof is not None else None  # None: the defaults
     if store:
         from results.store import append_rows
 
-        path = append_rows(rows(result, model, fmt, dict(llm.knobs), machine), suite="breakdown")
+        path = append_rows(rows(result, model, fmt, dict(llm.knobs), machine, result["profile"]), suite="breakdown")
         result["stored"] = str(path)
     if as_json:
         print(json.dumps(result), file=out)
@@ -511,7 +514,8 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
         th = result["threads"]
         print(table(result, f"breakdown: model {model} ({fmt}, backend {result['backend']}, threads prefill "
                             f"{th['prefill']} / decode {th['decode']}) on {machine.get('cpu_model')} "
-                            f"[{machine.get('hash')}]"), file=out)
+                            f"[{machine.get('hash')}], {'profile ' + result['profile'] if result['profile'] else 'defaults'}"),
+              file=out)
     return result
 
 
@@ -535,6 +539,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", help="kernel back end: auto, cpu, reference (knob kernel_backend)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
+    ap.add_argument("--profile", default=None, metavar="auto|PATH",
+                    help="a tuned profile (knobs and kernel tables): auto, this machine's for the model; default none")
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:
@@ -562,7 +568,8 @@ def run_args(args, LLM) -> int:
 
     if min(args.prompt_len, args.decode, args.batch, args.repeats) < 1:
         raise MoetuneError("--prompt-len, --decode, --batch and --repeats must be ≥ 1")
-    llm = LLM(args.model, dtype=args.dtype, knobs=knob_overrides(args), progress=not args.json)
+    llm = LLM(args.model, dtype=args.dtype, profile=getattr(args, "profile", None), knobs=knob_overrides(args),
+              progress=not args.json)
     run(llm, args.model, args.prompt_len, args.decode, args.batch, args.repeats, probe=not args.no_probe,
         store=not args.no_store, as_json=args.json)
     return 0

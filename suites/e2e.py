@@ -85,6 +85,8 @@ def main(argv=None) -> int:
                     help="where the model runs (cuda: every layer on one GPU, the Triton kernels)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--knob", action="append", metavar="NAME=VALUE", help="override a knob (repeatable)")
+    ap.add_argument("--profile", default=None, metavar="auto|PATH",
+                    help="a tuned profile (knobs and kernel tables): auto, this machine's for the model; default none")
     ap.add_argument("--breakdown", action="store_true",
                     help="split the prefill's and a decode step's time into kernel ops and the rest "
                          "(suites/breakdown.py; --decode is then the decode steps timed per repeat)")
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
     try:
         if args.breakdown:
             return breakdown.run_args(args, LLM)
-        llm = LLM(args.model, dtype=args.dtype, knobs=breakdown.knob_overrides(args), device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, profile=args.profile, knobs=breakdown.knob_overrides(args),
+                  device=args.device)
     except MoetuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -149,8 +149,31 @@ def test_gqa_runner_steps_count_the_same_bytes_as_eager():
     assert dec["cpp"]["parts"]["head_linear"]["calls"] == 0
 
 
+def test_a_tuned_profile_is_run_and_named(store, capsys, tmp_path):
+    """--profile PATH: the model runs with the profile's knobs, the title names it, and every stored row's
+    extra says which (the default, none, says None)."""
+    from engine.fingerprint import fingerprint
+    from engine.llm import LLM
+    from engine.profile import Profile, save_profile
+    from results.store import read_results
+
+    mkey = LLM("tiny", progress=False).model_key
+    path = save_profile(Profile({"hardware_key": fingerprint()["hardware_key"], "model_key": mkey, "fingerprint": {},
+                                 "commit": "test"}, {"threads_decode": 1}), tmp_path / "tuned.toml")
+    common = ["--model", "tiny", "--prompt-len", "6", "--decode", "2", "--repeats", "1", "--no-probe"]
+    assert breakdown.main([*common, "--profile", str(path)]) == 0
+    assert f"profile {path}" in capsys.readouterr().out
+    assert breakdown.main(common) == 0
+    assert "defaults" in capsys.readouterr().out
+    df = read_results(store, suite="breakdown")
+    runs = {run: (set(d["extra"].map(lambda e: json.loads(e)["profile"])), json.loads(d["knobs"].iloc[0])["threads_decode"])
+            for run, d in df.groupby("run_id")}
+    assert sorted(runs.values(), key=str) == sorted([({str(path)}, 1), ({None}, LLM("tiny", progress=False).knobs["threads_decode"])], key=str)
+
+
 @pytest.mark.parametrize("args, word", [(["--repeats", "0"], "--repeats"), (["--knob", "threads"], "NAME=VALUE"),
-                                        (["--knob", "nope=1"], "unknown knob")])
+                                        (["--knob", "nope=1"], "unknown knob"),
+                                        (["--profile", "/nonexistent/tuned.toml"], "does not exist")])
 def test_bad_input_is_one_line(args, word):
     p = subprocess.run([sys.executable, "-m", "suites.breakdown", "--model", "tiny", "--no-store", *args],
                        capture_output=True, text=True, timeout=600)
