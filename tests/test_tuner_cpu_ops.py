@@ -102,3 +102,18 @@ def test_the_timed_calls_stream_cold_copies(registered, name, fmt):
     assert seen[0] == id(obj._args) and len(walk) >= 6
     assert all(a != b for a, b in zip(walk, walk[1:]))
     assert set(walk) <= {id(a) for a in cycle}
+
+
+def test_a_linear_study_reuses_the_copies_of_the_study_before(registered):
+    """The next token bucket of the same weight layout cycles through the same copies (made once), another
+    layout gets its own, and release_copies frees them when the kernel tier is done."""
+    import tuner.cpu_ops as co
+
+    op = _OPS["linear"]
+    a = KernelObjective(op, "int8", {"tokens": 1})._cycle
+    b = KernelObjective(op, "int8", {"tokens": 16})._cycle
+    c = KernelObjective(op, "bf16", {"tokens": 1})._cycle
+    assert [id(x[1]) for x in a[1:]] == [id(x[1]) for x in b[1:]] and len(a) >= 2
+    assert not {id(x[1]) for x in c[1:]} & {id(x[1]) for x in a[1:]}
+    co.release_copies()
+    assert co._last_copies == [None, []]

@@ -225,6 +225,9 @@ def _kernels(args, cfg, t0: float) -> int:
             defaults = {k: v for k, v in _op_defaults(op).items()}
             tables.setdefault(op.name, []).extend(
                 {k: v for k, v in row.items() if k not in defaults or defaults[k] != v} for row in rows)
+    from tuner.cpu_ops import release_copies
+
+    release_copies()  # up to 2 × the last-level cache of weight copies, not needed by what follows
     print(kernel_gain_table(gains))
     if args.table_rounds:
         tables = confirm_tables(args, tables, args.table_rounds)

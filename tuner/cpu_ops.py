@@ -215,6 +215,11 @@ def _linear_rotate(a: tuple) -> list[tuple]:
     return [a] + [(a[0], c, a[2]) for c in _last_copies[1]]
 
 
+def release_copies() -> None:
+    """Free the last linear's copies (kept for the next study of its layout): the kernel tier is done."""
+    _last_copies[:] = [None, []]
+
+
 def _moe_rotate(a: tuple) -> list[tuple]:
     """Other routings (suites.kernels.ROUTINGS of them: one call's experts are another's only by chance),
     and copies of the expert stacks where they are too small for routings alone to leave the cache."""
