@@ -403,7 +403,7 @@ def add_bandwidth(result: dict, read_gbps: float | None) -> dict:
 # ---------------------------------------------------------------- output
 
 
-def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict, profile: str | None = None) -> list[dict]:
+def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict) -> list[dict]:
     """The result as result-store rows (see the module docstring)."""
     out = []
     base = {"prompt_len": result["prompt_len"], "batch": result["batch"], "decode_steps": result["decode_steps"]}
@@ -430,7 +430,7 @@ def rows(result: dict, model: str, fmt: str, knobs: dict, machine: dict, profile
                         "samples": st["samples"], "extra": extra})
     for r in out:
         r.update({"model": model, "format": fmt, "knobs": knobs})
-        r["extra"] = {**r["extra"], "profile": profile}
+        r["extra"] = {**r["extra"], "profile": result.get("profile")}
     return out
 
 
@@ -506,7 +506,7 @@ def run(llm, model: str, prompt_len: int, decode: int, batch: int, repeats: int,
     if store:
         from results.store import append_rows
 
-        path = append_rows(rows(result, model, fmt, dict(llm.knobs), machine, result["profile"]), suite="breakdown")
+        path = append_rows(rows(result, model, fmt, dict(llm.knobs), machine), suite="breakdown")
         result["stored"] = str(path)
     if as_json:
         print(json.dumps(result), file=out)

@@ -1,6 +1,8 @@
 """The kernel tier's adapters for the cpu backend: the default configuration passes the verify step,
 together the ops search every cpu_* knob, each attention knob in one op only, and the timed calls
 cycle through cold copies of the weights and caches."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_the_timed_calls_stream_cold_copies(registered, name, fmt):
         seen.append(id(args))
         return run(args, **knobs)
 
-    obj.op = __import__("dataclasses").replace(op, run=spy)
+    obj.op = dataclasses.replace(op, run=spy)
     from engine.knobs import resolve_knobs
 
     knobs = resolve_knobs()

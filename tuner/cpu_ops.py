@@ -8,9 +8,9 @@ Shapes are the `small` preset's (D = 2048, I = 1408, top-6) with 8 experts, so o
 is checked and timed in seconds; the verify step compares with kernels.reference on the same
 quantized weights. The timed calls cycle through copies of the weights (linear), other routings and,
 where the stacks are small, copies of them (fused MoE), or copies of the caches (decode attention),
-≥ 2 × the last-level cache in all, so each call reads them from DRAM as in a model's step. Attention: the small preset's too (H = 16; MLA decode over a bf16 latent
-cache R = 512, P = 64 in shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128,
-no prefix), bf16 queries.
+≥ 2 × the last-level cache in all, so each call reads them from DRAM as in a model's step.
+Attention: the small preset's too (H = 16; MLA decode over a bf16 latent cache R = 512, P = 64 in
+shuffled blocks of 64; extend in the naive MLA form Dk = 192, Dv = 128, no prefix), bf16 queries.
 
 The ISA knobs (cpu_int8_isa, cpu_bf16_isa) are searched over the variants that run natively here
 ("auto" and those cpu.runnable_choices names): the ops' catalogue narrows their choices, so no trial
