@@ -393,6 +393,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "and value dims multiples of 32 and 16, else avx512bf16's rule), auto: amx, else avx512bf16, where "
          "the CPU has it and every query value is a bf16 already. Falls back to avx512 where the CPU lacks "
          "it", choices=("auto", "avx512", "avx512bf16", "amx")),
+    Knob("cpu_attn_f32_form", str, "lanes", "kernels/cpu",
+         "CPU attention on float32 FMAs (cpu_attn_isa avx512, or a CPU without AVX512-BF16), the register form (fewer "
+         "rows per task than cpu_attn_blas_rows: up to 16 heads per KV head, or MLA's heads split into register "
+         "groups): transpose (each key block converted to float32 and transposed, 16 keys in the lanes, the rows' "
+         "queries broadcast; the probabilities transposed back for PV) or lanes (16 rows in the lanes, each key's "
+         "float32 row broadcast: nothing transposed, the online softmax down the keys, PV on the same float32 rows)",
+         choices=("lanes", "transpose")),
     Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
     Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
@@ -455,8 +462,9 @@ OP_KNOBS: dict[str, tuple[str, ...]] = {
     "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n"),
     "fused_moe": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_linear_block_n"),
     "mla_decode": ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
-                   "cpu_attn_blas_kv_block", "cpu_attn_isa"),
-    "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_isa"),
+                   "cpu_attn_blas_kv_block", "cpu_attn_isa", "cpu_attn_f32_form"),
+    "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_isa",
+                         "cpu_attn_f32_form"),
 }
 # The MHA/GQA paged attention runs the same C++ cores (decode, extend), so reads the same knobs.
 OP_KNOBS["paged_decode"] = OP_KNOBS["mla_decode"]

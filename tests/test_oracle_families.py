@@ -54,7 +54,8 @@ def test_greedy_tokens_match(oracle, backend):
 DECODE_KNOBS = [
     {"kernel_backend": "reference", "kv_block_size": 4},
     {"kernel_backend": "cpu", "kv_block_size": 4, "cpu_attn_decode_kv_block": 16, "cpu_attn_kv_splits": 3,
-     "cpu_attn_head_fold": 1, "cpu_attn_extend_q_block": 8, "cpu_attn_extend_kv_block": 16},
+     "cpu_attn_head_fold": 1, "cpu_attn_extend_q_block": 8, "cpu_attn_extend_kv_block": 16,
+     "cpu_attn_f32_form": "transpose"},
     {"kernel_backend": "cpu", "kv_block_size": 16, "cpu_attn_blas_rows": 1, "cpu_attn_blas_kv_block": 16},
     {"kernel_backend": "cpu", "batch_invariant": True, "graph_mode": "eager"},
 ]

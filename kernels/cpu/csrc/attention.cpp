@@ -173,6 +173,105 @@ inline void transpose_probs(const float* S, int64_t lds, int G, int64_t ldk, flo
   }
 }
 
+// The lanes form (cpu_attn_f32_form=lanes) reads a block's keys as float32 in chunks of kChunk dims:
+// Kc[(c * nbp + j) * kChunk + i] = K[j][c * kChunk + i] (zero past Dk, and for the pad keys nb <= j < nbp), so
+// that every key of a chunk sits a constant distance from the first (one base register for 16 broadcasts), and
+// one chunk of the queries and of the block's keys stays in L1 while it is used.
+constexpr int kChunk = 64;
+
+template <int DT>
+void keys_chunked(const uint8_t* const* krow, int nb, int nbp, int64_t Dk, float* Kc) {
+  const int64_t nch = (Dk + kChunk - 1) / kChunk, full = Dk / kChunk, cs = (int64_t)nbp * kChunk;
+  for (int j = 0; j < nb; ++j) {  // each key row read in order, its chunks nbp rows apart
+    float* dst = Kc + (int64_t)j * kChunk;
+    for (int64_t c = 0; c < full; ++c)
+#pragma GCC unroll 4
+      for (int i = 0; i < kChunk; i += 16) _mm512_storeu_ps(dst + c * cs + i, load16<DT>(krow[j], c * kChunk + i, 0xFFFF));
+    for (int i = 0; full < nch && i < kChunk; i += 16) {
+      const int64_t d = full * kChunk + i;
+      _mm512_storeu_ps(dst + full * cs + i, d < Dk ? load16<DT>(krow[j], d, tail_mask16(Dk - d)) : _mm512_setzero_ps());
+    }
+  }
+  for (int64_t c = 0; c < nch && nb < nbp; ++c)
+    std::fill(Kc + c * cs + (int64_t)nb * kChunk, Kc + (c + 1) * cs, 0.f);
+}
+
+// One register group's QK in the lanes form: St[j * 16 + g] = Σ_d Qt[d * 16 + g] · K[j][d] for j < nbp (a
+// multiple of 16): the group's rows in the lanes, each key's elements broadcast, 16 keys at a time; chunk by
+// chunk of the dims, the sums kept in St between chunks. Nothing is transposed, and the scores come out in
+// the [keys][16 rows] layout that the softmax (down the keys) and PV read.
+inline void qk_lanes(const float* Qt, const float* Kc, int nbp, int64_t Dk, float* St) {
+  const int64_t nch = (Dk + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t dn = std::min<int64_t>(kChunk, Dk - c * kChunk);
+    const float* q = Qt + c * kChunk * kGroup;
+    for (int j0 = 0; j0 < nbp; j0 += 16) {
+      const float* kb = Kc + (c * nbp + j0) * kChunk;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = c ? _mm512_loadu_ps(St + (j0 + i) * kGroup) : _mm512_setzero_ps();
+      for (int64_t d = 0; d < dn; ++d) {
+        const __m512 qd = _mm512_loadu_ps(q + d * kGroup);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[i * kChunk + d]), acc[i]);
+      }
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(St + (j0 + i) * kGroup, acc[i]);
+    }
+  }
+}
+
+// PV of G rows from the chunked keys (V the leading Dv dims of K, MLA's latent): pv_tile on Kc's layout.
+template <int G>
+void pv_chunked(const float* Pt, const float* Kc, int nbp, int nb, int64_t Dv, float* A, int64_t lda, const float* alpha) {
+  for (int64_t c = 0; c < Dv; c += 16) {
+    const __mmask16 m = tail_mask16(Dv - c);
+    const float* vb = Kc + (c / kChunk) * nbp * kChunk + c % kChunk;
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g)
+      acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g]));
+    for (int j = 0; j < nb; ++j) {
+      const __m512 v = _mm512_loadu_ps(vb + j * kChunk);  // past Dv: K's other dims, never stored
+      const float* p = Pt + j * kGroup;
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(A + g * lda + c, m, acc[g]);
+  }
+}
+
+// The online softmax of one register group's block in the lanes form, as the row form's: St[j * 16 + g] the
+// scores of key n0 + j (j < nb) for row g < G, overwritten by its probability (0 where the row may not see
+// it: n0 + j >= lim[g]); m, l, alpha [G]. A row that sees no key of the block keeps m and l, alpha 1; one that
+// saw none before gets alpha 0 (its output is still zero).
+inline void softmax_lanes(float* St, int nb, int G, const int64_t* lim, int64_t n0, float* m, float* l, float* alpha) {
+  alignas(64) int32_t visi[16];
+  int maxvis = 0;
+  for (int g = 0; g < kGroup; ++g) {
+    visi[g] = g < G ? (int)std::clamp<int64_t>(lim[g] - n0, 0, nb) : 0;
+    maxvis = std::max(maxvis, (int)visi[g]);
+  }
+  const __mmask16 gm = tail_mask16(G);
+  const __m512i visv = _mm512_load_si512(visi);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  const __m512 mo = _mm512_mask_loadu_ps(ninf, gm, m);
+  __m512 bm = ninf;
+  for (int j = 0; j < maxvis; ++j)
+    bm = _mm512_mask_max_ps(bm, _mm512_cmpgt_epi32_mask(visv, _mm512_set1_epi32(j)), bm, _mm512_loadu_ps(St + 16 * j));
+  const __m512 mn = _mm512_max_ps(mo, bm);
+  const __mmask16 seen = _mm512_cmpgt_epi32_mask(visv, _mm512_setzero_si512());  // a key of this block
+  const __mmask16 had = _mm512_cmp_ps_mask(mo, ninf, _CMP_GT_OQ);                 // a key before it
+  const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), seen, _mm512_maskz_mov_ps(had, exp512(_mm512_sub_ps(mo, mn))));
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < nb; ++j) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(visv, _mm512_set1_epi32(j));
+    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(St + 16 * j), mn)));
+    _mm512_storeu_ps(St + 16 * j, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_mask_storeu_ps(l, gm, _mm512_fmadd_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), gm, l), al, sum));
+  _mm512_mask_storeu_ps(m, gm & seen, mn);
+  _mm512_mask_storeu_ps(alpha, gm, al);
+}
+
 template <int G>
 struct Tiles {
   static void qk(int g, const float* Qt, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
@@ -184,6 +283,11 @@ struct Tiles {
                  const float* alpha) {
     if (g == G) return pv_tile<G, DT>(Pt, vrow, nb, Dv, A, lda, alpha);
     if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, Pt, vrow, nb, Dv, A, lda, alpha);
+  }
+  static void pvc(int g, const float* Pt, const float* Kc, int nbp, int nb, int64_t Dv, float* A, int64_t lda,
+                  const float* alpha) {
+    if (g == G) return pv_chunked<G>(Pt, Kc, nbp, nb, Dv, A, lda, alpha);
+    if constexpr (G > 1) Tiles<G - 1>::pvc(g, Pt, Kc, nbp, nb, Dv, A, lda, alpha);
   }
 };
 
@@ -218,10 +322,11 @@ struct Scratch {
   std::vector<float> o;
   std::vector<const uint8_t*> ka;  // per 16-key tile: its A operand (in the cache, or staged)
   std::vector<int64_t> kld;        // and the bytes between its rows
-  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot) {
+  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes = false) {
     const int64_t ldk = (kv_block + 15) / 16 * 16, rp = (rows + kGroup - 1) / kGroup * kGroup;
     grow(kt, Dk * ldk), grow(s, rp * ldk), grow(pt, ldk * kGroup), grow(alpha, rp);
     grow(krow, ldk), grow(vrow, ldk);
+    if (lanes) grow(kf, ldk * ((Dk + kChunk - 1) / kChunk) * kChunk);  // the chunked keys (keys_chunked)
     if (blas) grow(kf, kv_block * Dk), grow(vf, kv_block * Dv), grow(q, rows * Dk);
     if (dot) grow(kp, (Dk + 1) / 2 * ldk), grow(pb, kGroup * ldk / 2);
     if (dot >= kDotAmx) {
@@ -236,9 +341,9 @@ struct Scratch {
   }
 };
 
-Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot) {
+Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes) {
   static thread_local Scratch sc;
-  sc.fit(rows, kv_block, Dk, Dv, blas, dot);
+  sc.fit(rows, kv_block, Dk, Dv, blas, dot, lanes);
   return sc;
 }
 
@@ -536,7 +641,7 @@ inline unsigned attn_used(int dot) {
 template <int DT>
 void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows, const int64_t* lim,
             const KVSource& K, const KVSource& V, const int32_t* table, int64_t kvh, int64_t k0, int64_t k1,
-            int64_t kv_block, bool blas, Scratch& sc, float* m, float* l, float* A, int64_t lda) {
+            int64_t kv_block, bool blas, bool lanes, Scratch& sc, float* m, float* l, float* A, int64_t lda) {
   if constexpr (DT == kBF16) {  // (attn_dot takes the AMX form for a bf16 cache only)
     if (dot == kDotAmx) return attend_amx<AmxHw>(Qb, qscale, rows, lim, K, V, table, kvh, k0, k1, kv_block, sc, m, l, A, lda);
     if (dot == kDotAmxModel)
@@ -545,7 +650,10 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
   const int64_t Dk = K.dim, Dv = V.dim, pairs = Dk / 2;
   if (dot) blas = false;
   // V the leading columns of the K rows (MLA's latent): one conversion serves both products.
-  const bool v_in_k = V.base == K.base && V.sblock == K.sblock && V.stok == K.stok && V.shead == K.shead && Dv <= Dk;
+  // (the head stride matters only with more than one KV head: MLA's views [.., 1, R + P] and [.., 1, R] of one
+  // cache differ in it, and were taken for two sources until session 36)
+  const bool v_in_k = V.base == K.base && V.sblock == K.sblock && V.stok == K.stok &&
+                      (V.shead == K.shead || K.heads == 1) && Dv <= Dk;
   at::Tensor Qm;
   if (blas) {  // the BLAS form: row-major queries, blocks converted to float32 rows, QK and PV by sgemm
     __m512 t[16], o[16];  // Qt's [dim][16 rows] groups back to rows, 16 × 16 at a time
@@ -584,6 +692,19 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
         if (dot == kDotHw) attn_hw::qk_dot<Bf16Hw>(G, Qg, sc.kp.data(), ldk, pairs, qscale, S + g0 * ldk, ldk);
         else attn_model::qk_dot<Bf16Model>(G, Qg, sc.kp.data(), ldk, pairs, qscale, S + g0 * ldk, ldk);
       }
+    } else if (lanes) {  // QK, softmax and PV per register group, its rows in the lanes
+      const int nbp = (int)ldk;
+      keys_chunked<DT>(sc.krow.data(), nb, nbp, Dk, sc.kf.data());
+      for (int g0 = 0; g0 < rows; g0 += kGroup) {
+        const int G = std::min(kGroup, rows - g0);
+        float* St = S + g0 * ldk;
+        qk_lanes(Qt + g0 * Dk, sc.kf.data(), nbp, Dk, St);
+        softmax_lanes(St, nb, G, lim + g0, n0, m + g0, l + g0, sc.alpha.data() + g0);
+        // V the leading columns of the K rows: PV reads the same float32 chunks (no second conversion)
+        if (v_in_k) Tiles<kGroup>::pvc(G, St, sc.kf.data(), nbp, nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+        else Tiles<kGroup>::pv<DT>(G, St, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+      }
+      continue;
     } else {
       transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
       for (int g0 = 0; g0 < rows; g0 += kGroup)
@@ -729,7 +850,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     const bool blas = !dot && hf >= kn.attn_blas_rows;
     // keys per block, for the path taken (the sgemm and AMX forms convert whole blocks)
     const int64_t kvb = blas || dot >= kDotAmx ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;
-    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot);
+    const bool lanes = !dot && kn.attn_f32_form == kAttnLanes;  // the register form's layout (rows below blas_rows)
+    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot, lanes);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
     std::vector<float> m(hf), l(hf);
@@ -764,7 +886,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
       float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
       attend<DT>(Qt, qbpacked + qi * qbsize, scale, dot, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb,
-                 blas, sc, m.data(), l.data(), A, S * Dv);
+                 blas, lanes, sc, m.data(), l.data(), A, S * Dv);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
   }
@@ -800,7 +922,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
   {
     DenormalScope daz(dot == kDotModel);
     const bool blas = !dot && qb >= kn.attn_blas_rows;
-    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot);
+    const bool lanes = !dot && kn.attn_f32_form == kAttnLanes;
+    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot, lanes);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<uint32_t> Qb(dot ? (qb + kGroup - 1) / kGroup * kGroup * (Dk / 2) : 0);
     std::vector<const float*> qrow(qb);
@@ -819,7 +942,7 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       else pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
       attend<DT>(Qt.data(), Qb.data(), scale, dot, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1],
-                 kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas, sc, m.data(), l.data(), A.data(), Dv);
+                 kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas, lanes, sc, m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
         const float inv = 1.f / l[r];

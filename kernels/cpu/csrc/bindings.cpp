@@ -57,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("auto", moetune::kAttnIsaAuto).value("avx512", moetune::kAttnIsaAvx512)
       .value("avx512bf16", moetune::kAttnIsaDot)
       .value("amx", moetune::kAttnIsaAmx);
+  py::enum_<moetune::AttnF32Form>(m, "AttnF32Form")
+      .value("transpose", moetune::kAttnTranspose).value("lanes", moetune::kAttnLanes);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")
@@ -136,6 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("attn_blas_rows", &Knobs::attn_blas_rows)
       .def_readwrite("attn_blas_kv_block", &Knobs::attn_blas_kv_block)
       .def_readwrite("attn_isa", &Knobs::attn_isa)
+      .def_readwrite("attn_f32_form", &Knobs::attn_f32_form)
       .def("check", &Knobs::check, "raise when a field is unset or out of range");
   m.def("detected_features", &moetune::detected_features, "bits of the dot-product ISA cpuid reports: 1 VNNI, 2 AVX512-BF16, 4 AMX");
   m.def("usable_features", &moetune::usable_features, "detected_features() under the feature mask");

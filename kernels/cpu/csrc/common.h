@@ -84,6 +84,10 @@ enum PrefillPrefetch : int { kPrefillT0 = 0, kPrefillT1 = 1, kPrefillT2 = 2, kPr
 // vdpbf16ps on bf16 pairs (avx512bf16), AMX tiles (amx: TDPBF16PS), auto: amx, else avx512bf16, where the
 // CPU has it and the queries are bf16.
 enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAttnIsaAmx = 3 };
+// cpu_attn_f32_form: the float32-FMA register form's layout (rows below cpu_attn_blas_rows): transpose (each key
+// block converted and transposed, 16 keys in the lanes, the rows' queries broadcast) or lanes (16 rows in the
+// lanes, each key's float32 row broadcast: no transposes of keys or probabilities, the softmax down the keys).
+enum AttnF32Form : int { kAttnTranspose = 0, kAttnLanes = 1 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 // maddubs: INT8 on vpmaddubsw + vpmaddwd with the sign trick (AVX-512BW, or AVX2 in that build).
@@ -189,6 +193,7 @@ struct Knobs {
   int64_t attn_head_fold = 0, attn_kv_splits = 0, attn_decode_kv_block = 0, attn_extend_q_block = 0,
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   AttnIsa attn_isa = (AttnIsa)-1;
+  AttnF32Form attn_f32_form = (AttnF32Form)-1;
   void check() const;  // every field set and in range (matmul.cpp)
 };
 
