@@ -850,7 +850,8 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     const bool blas = !dot && hf >= kn.attn_blas_rows;
     // keys per block, for the path taken (the sgemm and AMX forms convert whole blocks)
     const int64_t kvb = blas || dot >= kDotAmx ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;
-    const bool lanes = !dot && kn.attn_f32_form == kAttnLanes;  // the register form's layout (rows below blas_rows)
+    // the register form's layout (rows below blas_rows): lanes, or under auto from a full register group
+    const bool lanes = !dot && (kn.attn_f32_form == kAttnLanes || (kn.attn_f32_form == kAttnFormAuto && hf >= kGroup));
     Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot, lanes);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
@@ -922,7 +923,7 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
   {
     DenormalScope daz(dot == kDotModel);
     const bool blas = !dot && qb >= kn.attn_blas_rows;
-    const bool lanes = !dot && kn.attn_f32_form == kAttnLanes;
+    const bool lanes = !dot && kn.attn_f32_form != kAttnTranspose;  // (auto: per tile, from 16 rows)
     Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot, lanes);
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<uint32_t> Qb(dot ? (qb + kGroup - 1) / kGroup * kGroup * (Dk / 2) : 0);
@@ -942,7 +943,8 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       else pack_queries(qrow.data(), rows, Dk, scale, Qt.data());
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
       attend<DT>(Qt.data(), Qb.data(), scale, dot, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1],
-                 kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas, lanes, sc, m.data(), l.data(), A.data(), Dv);
+                 kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas,
+                 lanes && (kn.attn_f32_form == kAttnLanes || rows >= kGroup), sc, m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
         const float inv = 1.f / l[r];

@@ -58,7 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("avx512bf16", moetune::kAttnIsaDot)
       .value("amx", moetune::kAttnIsaAmx);
   py::enum_<moetune::AttnF32Form>(m, "AttnF32Form")
-      .value("transpose", moetune::kAttnTranspose).value("lanes", moetune::kAttnLanes);
+      .value("auto", moetune::kAttnFormAuto).value("transpose", moetune::kAttnTranspose)
+      .value("lanes", moetune::kAttnLanes);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")

@@ -86,8 +86,9 @@ enum PrefillPrefetch : int { kPrefillT0 = 0, kPrefillT1 = 1, kPrefillT2 = 2, kPr
 enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAttnIsaAmx = 3 };
 // cpu_attn_f32_form: the float32-FMA register form's layout (rows below cpu_attn_blas_rows): transpose (each key
 // block converted and transposed, 16 keys in the lanes, the rows' queries broadcast) or lanes (16 rows in the
-// lanes, each key's float32 row broadcast: no transposes of keys or probabilities, the softmax down the keys).
-enum AttnF32Form : int { kAttnTranspose = 0, kAttnLanes = 1 };
+// lanes, each key's float32 row broadcast: no transposes of keys or probabilities, the softmax down the keys);
+// auto: lanes for a task of at least 16 rows (a full register group), else transpose.
+enum AttnF32Form : int { kAttnFormAuto = 0, kAttnTranspose = 1, kAttnLanes = 2 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 // maddubs: INT8 on vpmaddubsw + vpmaddwd with the sign trick (AVX-512BW, or AVX2 in that build).
