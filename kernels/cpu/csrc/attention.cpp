@@ -173,6 +173,10 @@ inline void transpose_probs(const float* S, int64_t lds, int G, int64_t ldk, flo
   }
 }
 
+inline __m512 select_ps(__m512 a, __mmask16 k, __m512 b) {  // lanes of b where k, else of a
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_castps_si512(a), k, _mm512_castps_si512(b)));
+}
+
 // The lanes form (cpu_attn_f32_form=lanes) reads a block's keys as float32 in chunks of kChunk dims:
 // Kc[(c * nbp + j) * kChunk + i] = K[j][c * kChunk + i] (zero past Dk, and for the pad keys nb <= j < nbp), so
 // that every key of a chunk sits a constant distance from the first (one base register for 16 broadcasts), and
@@ -243,26 +247,27 @@ void pv_chunked(const float* Pt, const float* Kc, int nbp, int nb, int64_t Dv, f
 // it: n0 + j >= lim[g]); m, l, alpha [G]. A row that sees no key of the block keeps m and l, alpha 1; one that
 // saw none before gets alpha 0 (its output is still zero).
 inline void softmax_lanes(float* St, int nb, int G, const int64_t* lim, int64_t n0, float* m, float* l, float* alpha) {
-  alignas(64) int32_t visi[16];
+  alignas(64) float visf[16];  // keys row g sees in this block, as float (exact: ≤ a block's keys)
   int maxvis = 0;
   for (int g = 0; g < kGroup; ++g) {
-    visi[g] = g < G ? (int)std::clamp<int64_t>(lim[g] - n0, 0, nb) : 0;
-    maxvis = std::max(maxvis, (int)visi[g]);
+    const int v = g < G ? (int)std::clamp<int64_t>(lim[g] - n0, 0, nb) : 0;
+    visf[g] = (float)v, maxvis = std::max(maxvis, v);
   }
   const __mmask16 gm = tail_mask16(G);
-  const __m512i visv = _mm512_load_si512(visi);
+  const __m512 visv = _mm512_load_ps(visf);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   const __m512 mo = _mm512_mask_loadu_ps(ninf, gm, m);
   __m512 bm = ninf;
   for (int j = 0; j < maxvis; ++j)
-    bm = _mm512_mask_max_ps(bm, _mm512_cmpgt_epi32_mask(visv, _mm512_set1_epi32(j)), bm, _mm512_loadu_ps(St + 16 * j));
+    bm = _mm512_max_ps(bm, select_ps(ninf, _mm512_cmp_ps_mask(_mm512_set1_ps((float)j), visv, _CMP_LT_OQ),
+                                     _mm512_loadu_ps(St + 16 * j)));
   const __m512 mn = _mm512_max_ps(mo, bm);
-  const __mmask16 seen = _mm512_cmpgt_epi32_mask(visv, _mm512_setzero_si512());  // a key of this block
-  const __mmask16 had = _mm512_cmp_ps_mask(mo, ninf, _CMP_GT_OQ);                 // a key before it
-  const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), seen, _mm512_maskz_mov_ps(had, exp512(_mm512_sub_ps(mo, mn))));
+  const __mmask16 seen = _mm512_cmp_ps_mask(visv, _mm512_setzero_ps(), _CMP_GT_OQ);  // a key of this block
+  const __mmask16 had = _mm512_cmp_ps_mask(mo, ninf, _CMP_GT_OQ);                    // a key before it
+  const __m512 al = select_ps(_mm512_set1_ps(1.f), seen, _mm512_maskz_mov_ps(had, exp512(_mm512_sub_ps(mo, mn))));
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < nb; ++j) {
-    const __mmask16 live = _mm512_cmpgt_epi32_mask(visv, _mm512_set1_epi32(j));
+    const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps((float)j), visv, _CMP_LT_OQ);
     const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(St + 16 * j), mn)));
     _mm512_storeu_ps(St + 16 * j, p);
     sum = _mm512_add_ps(sum, p);
@@ -462,9 +467,6 @@ void amx_products(int na, int nb, const uint8_t* const* a, const int64_t* lda, i
   else amx_block<T, 1, 1>(a, lda, astep, b, ldb, bstep, steps, c, ldc, load_c);
 }
 
-inline __m512 select_ps(__m512 a, __mmask16 k, __m512 b) {  // lanes of b where k, else of a
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_castps_si512(a), k, _mm512_castps_si512(b)));
-}
 
 // attend's AMX form (same contract; Qb: the unscaled query rows as bf16 pairs in zero-padded register groups,
 // pack_pairs_t; qscale applied to the scores). T: AmxHw or AmxEmu.
