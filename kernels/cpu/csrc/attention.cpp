@@ -183,6 +183,12 @@ inline __m512 select_ps(__m512 a, __mmask16 k, __m512 b) {  // lanes of b where 
 // one chunk of the queries and of the block's keys stays in L1 while it is used.
 constexpr int kChunk = 64;
 
+// Whether a task of `rows` rows on the register form takes the lanes form (cpu_attn_f32_form; auto: from a full
+// register group, as fewer rows leave lanes idle).
+inline bool lanes_form(const Knobs& kn, int64_t rows) {
+  return kn.attn_f32_form == kAttnLanes || (kn.attn_f32_form == kAttnFormAuto && rows >= kGroup);
+}
+
 template <int DT>
 void keys_chunked(const uint8_t* const* krow, int nb, int nbp, int64_t Dk, float* Kc) {
   const int64_t nch = (Dk + kChunk - 1) / kChunk, full = Dk / kChunk, cs = (int64_t)nbp * kChunk;
@@ -220,25 +226,6 @@ inline void qk_lanes(const float* Qt, const float* Kc, int nbp, int64_t Dk, floa
       }
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(St + (j0 + i) * kGroup, acc[i]);
     }
-  }
-}
-
-// PV of G rows from the chunked keys (V the leading Dv dims of K, MLA's latent): pv_tile on Kc's layout.
-template <int G>
-void pv_chunked(const float* Pt, const float* Kc, int nbp, int nb, int64_t Dv, float* A, int64_t lda, const float* alpha) {
-  for (int64_t c = 0; c < Dv; c += 16) {
-    const __mmask16 m = tail_mask16(Dv - c);
-    const float* vb = Kc + (c / kChunk) * nbp * kChunk + c % kChunk;
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g)
-      acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g]));
-    for (int j = 0; j < nb; ++j) {
-      const __m512 v = _mm512_loadu_ps(vb + j * kChunk);  // past Dv: K's other dims, never stored
-      const float* p = Pt + j * kGroup;
-#pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g]), v, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(A + g * lda + c, m, acc[g]);
   }
 }
 
@@ -288,11 +275,6 @@ struct Tiles {
                  const float* alpha) {
     if (g == G) return pv_tile<G, DT>(Pt, vrow, nb, Dv, A, lda, alpha);
     if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, Pt, vrow, nb, Dv, A, lda, alpha);
-  }
-  static void pvc(int g, const float* Pt, const float* Kc, int nbp, int nb, int64_t Dv, float* A, int64_t lda,
-                  const float* alpha) {
-    if (g == G) return pv_chunked<G>(Pt, Kc, nbp, nb, Dv, A, lda, alpha);
-    if constexpr (G > 1) Tiles<G - 1>::pvc(g, Pt, Kc, nbp, nb, Dv, A, lda, alpha);
   }
 };
 
@@ -702,9 +684,18 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
         float* St = S + g0 * ldk;
         qk_lanes(Qt + g0 * Dk, sc.kf.data(), nbp, Dk, St);
         softmax_lanes(St, nb, G, lim + g0, n0, m + g0, l + g0, sc.alpha.data() + g0);
-        // V the leading columns of the K rows: PV reads the same float32 chunks (no second conversion)
-        if (v_in_k) Tiles<kGroup>::pvc(G, St, sc.kf.data(), nbp, nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
-        else Tiles<kGroup>::pv<DT>(G, St, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+        if (!v_in_k) {
+          Tiles<kGroup>::pv<DT>(G, St, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+          continue;
+        }
+        // V the leading columns of the K rows: PV reads the same float32 chunks (no second conversion), the
+        // value columns of one chunk at a time, its keys' rows kChunk floats apart
+        for (int64_t c0 = 0; c0 < Dv; c0 += kChunk) {
+          const float* kc = sc.kf.data() + (c0 / kChunk) * nbp * kChunk;
+          for (int j = 0; j < nb; ++j) sc.vrow[j] = reinterpret_cast<const uint8_t*>(kc + j * kChunk);
+          Tiles<kGroup>::pv<kF32>(G, St, sc.vrow.data(), nb, std::min<int64_t>(kChunk, Dv - c0), A + g0 * lda + c0, lda,
+                                  sc.alpha.data() + g0);
+        }
       }
       continue;
     } else {
@@ -852,8 +843,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     const bool blas = !dot && hf >= kn.attn_blas_rows;
     // keys per block, for the path taken (the sgemm and AMX forms convert whole blocks)
     const int64_t kvb = blas || dot >= kDotAmx ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;
-    // the register form's layout (rows below blas_rows): lanes, or under auto from a full register group
-    const bool lanes = !dot && (kn.attn_f32_form == kAttnLanes || (kn.attn_f32_form == kAttnFormAuto && hf >= kGroup));
+    const bool lanes = !dot && lanes_form(kn, hf);  // the register form's layout (rows below blas_rows)
     Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot, lanes);
     std::vector<const float*> qrow(hf);
     std::vector<int64_t> lim(hf);
@@ -925,8 +915,7 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
   {
     DenormalScope daz(dot == kDotModel);
     const bool blas = !dot && qb >= kn.attn_blas_rows;
-    const bool lanes = !dot && kn.attn_f32_form != kAttnTranspose;  // (auto: per tile, from 16 rows)
-    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot, lanes);
+    Scratch& sc = thread_scratch(qb, kn.attn_extend_kv_block, Dk, Dv, blas, dot, !dot && lanes_form(kn, qb));
     std::vector<float> Qt((qb + kGroup - 1) / kGroup * kGroup * Dk), A(qb * Dv), m(qb), l(qb);
     std::vector<uint32_t> Qb(dot ? (qb + kGroup - 1) / kGroup * kGroup * (Dk / 2) : 0);
     std::vector<const float*> qrow(qb);
@@ -946,7 +935,7 @@ void extend_impl(const float* q, int64_t T, int64_t H, const KVSource& K, const 
       std::fill(A.begin(), A.begin() + rows * Dv, 0.f);
       attend<DT>(Qt.data(), Qb.data(), scale, dot, rows, lim.data(), K, V, table, h / Hg, 0, lim[rows - 1],
                  kn.attn_extend_kv_block, rows >= kn.attn_blas_rows && blas,
-                 lanes && (kn.attn_f32_form == kAttnLanes || rows >= kGroup), sc, m.data(), l.data(), A.data(), Dv);
+                 !dot && lanes_form(kn, rows), sc, m.data(), l.data(), A.data(), Dv);
       for (int r = 0; r < rows; ++r) {
         float* o = out + ((i0 + r) * H + h) * Dv;
         const float inv = 1.f / l[r];
