@@ -399,10 +399,21 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "groups): transpose (each key block converted to float32 and transposed, 16 keys in the lanes, the rows' "
          "queries broadcast; the probabilities transposed back for PV) or lanes (16 rows in the lanes, each key's "
          "float32 row broadcast: nothing transposed, the online softmax down the keys, PV on the same float32 rows), "
-         "auto: lanes for tasks of at least 16 rows, else transpose. Emerald Rapids VM, 2 threads, lanes against "
-         "transpose: MLA decode `small` (16 heads) x1.12 / x1.20 / x1.30 at 140 / 512 / 2048 keys; GQA decode, "
-         "head dim 128, 2048 keys: 16 rows per KV head x1.25, 8 x0.99-1.05, 4 x0.91",
-         choices=("auto", "lanes", "transpose")),
+         "packed (GQA/MHA decode with at most 8 rows per KV head: the lanes form over 2 or 4 KV heads at once, their "
+         "rows interleaved in the lanes and their key elements broadcast together; elsewhere as auto), "
+         "auto: packed where it applies, else lanes for tasks of at least 16 rows, else transpose. Emerald Rapids "
+         "VM, 2 threads, lanes against transpose: MLA decode `small` (16 heads) x1.12 / x1.20 / x1.30 at 140 / 512 "
+         "/ 2048 keys; GQA decode, head dim 128, 2048 keys: 16 rows per KV head x1.25, 8 x0.99-1.05, 4 x0.91; "
+         "packed against transpose (cache from DRAM, cpu_attn_prefetch t1 against none): 32 / 4 heads x1.24-1.32, "
+         "32 / 8 (head dim 64) x1.31, MHA 16 / 16 x1.06",
+         choices=("auto", "lanes", "transpose", "packed")),
+    Knob("cpu_attn_prefetch", str, "t1", "kernels/cpu",
+         "CPU attention decode on float32 FMAs (the register forms of cpu_attn_f32_form: packed, lanes, transpose): "
+         "the cache level the software prefetch of the next cache block's key and value rows fills while this "
+         "block's are used (prefetcht0 / t1 / t2, or none: the hardware prefetchers alone). Each line is prefetched "
+         "beside the work on the same line of this block (the key conversion, the PV product), so the prefetches "
+         "spread over the block",
+         choices=("t0", "t1", "t2", "none")),
     Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
     Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",
@@ -465,7 +476,7 @@ OP_KNOBS: dict[str, tuple[str, ...]] = {
     "linear": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_moe_block_n"),
     "fused_moe": tuple(n for n in _WEIGHT_OP_KNOBS if n != "cpu_linear_block_n"),
     "mla_decode": ("cpu_attn_head_fold", "cpu_attn_kv_splits", "cpu_attn_decode_kv_block", "cpu_attn_blas_rows",
-                   "cpu_attn_blas_kv_block", "cpu_attn_isa", "cpu_attn_f32_form"),
+                   "cpu_attn_blas_kv_block", "cpu_attn_isa", "cpu_attn_f32_form", "cpu_attn_prefetch"),
     "extend_attention": ("cpu_attn_extend_q_block", "cpu_attn_extend_kv_block", "cpu_attn_blas_rows", "cpu_attn_isa",
                          "cpu_attn_f32_form"),
 }

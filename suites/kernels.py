@@ -1,7 +1,7 @@
 """Kernel suite: each op × weight format of the "cpu" backend on real layer shapes, side by side
 with torch on the same math, as fractions of the machine's measured limits (tuner.probe).
 
-    moetune bench kernels [--op fused_moe|linear|mla_decode|extend] [--format bf16|int8|fp8|int4]
+    moetune bench kernels [--op fused_moe|linear|mla_decode|paged_decode|extend] [--format bf16|int8|fp8|int4]
                           [--tokens N ...] [--context N ...] [--prefix N ...] [--shapes small|v3|all]
                           [--repeats 10] [--experts-v3 32] [--json]
 
@@ -20,6 +20,10 @@ Attention (default ops: fused_moe and linear only; the format is the cache's, bf
   torch's the odd ones), so the cache comes from DRAM as in a real model (one cache per layer).
   torch = kernels.reference.mla_decode on the same cache. bytes = Σ lens · (R+P) · 2;
   flops = Σ lens · H · (2(R+P) + 2R).
+- paged_decode (MHA/GQA decode): the same sequences, contexts and pool over a paged K and V cache
+  [blocks, 64, Hkv, d] of the GQA presets' shapes (small: Qwen3-MoE's 32 query / 4 KV heads of 128 dims,
+  the `small-llama` preset's 32 / 8 of 64, Qwen2-MoE's MHA 16 / 16 of 128; v3: Qwen3-235B's 64 / 4 of
+  128). torch = kernels.reference.paged_decode. bytes = Σ lens · Hkv · 2d · 2; flops = Σ lens · H · 4d.
 - extend: T = --tokens new tokens (default 512, 2048, 8192) after --prefix cached keys (default 0,
   a fresh prompt, and 1024, a chunk after a cached prefix), the naive MLA form (small: H=16, v3:
   H=128; Dk=192, Dv=128; bf16 q/k/v). torch = F.scaled_dot_product_attention in [1, H, T, D]
@@ -27,7 +31,7 @@ Attention (default ops: fused_moe and linear only; the format is the cache's, bf
   torch's CPU flash kernel needs Dk = Dv (else its math path materializes the T × S scores:
   ≈ 10 GB at 8K). flops = 2 · H · (Dk + Dv) · the causal (query, key) pairs T · prefix + T(T+1)/2;
   bytes = q, k, v read and the output written once.
-Rows carry `context`: the keys per sequence (mla_decode) or prefix + T (extend); None otherwise.
+Rows carry `context`: the keys per sequence (mla_decode, paged_decode) or prefix + T (extend); None otherwise.
 
 Printed first: the ISA variants of the cpu kernels (cpu_int8_isa, cpu_bf16_isa) that run natively
 here and those that exist only as C++ models (tests); each row's `isa` is what its case ran (the
@@ -60,11 +64,12 @@ import torch.nn.functional as F
 from kernels import formats
 
 FORMATS = ("bf16", "int8", "fp8", "int4")
-OPS = ("fused_moe", "linear", "mla_decode", "extend")
+OPS = ("fused_moe", "linear", "mla_decode", "paged_decode", "extend")
 DEFAULT_OPS = ("fused_moe", "linear")
 WEIGHT_TOKENS = (1, 2, 4, 8, 16, 64, 512)
-TOKENS = {"fused_moe": WEIGHT_TOKENS, "linear": WEIGHT_TOKENS, "mla_decode": (1, 4, 16), "extend": (512, 2048, 8192)}
-CONTEXTS = (512, 2048, 8192)  # mla_decode: keys per sequence
+TOKENS = {"fused_moe": WEIGHT_TOKENS, "linear": WEIGHT_TOKENS, "mla_decode": (1, 4, 16), "paged_decode": (1, 4, 16),
+          "extend": (512, 2048, 8192)}
+CONTEXTS = (512, 2048, 8192)  # mla_decode, paged_decode: keys per sequence
 PREFIXES = (0, 1024)  # extend: cached keys before the new tokens
 ROUTINGS = 8
 INT4_GROUP = 128
@@ -92,8 +97,9 @@ class LinearShape:
 class AttnShape:
     name: str
     h: int
-    dk: int  # mla_decode: the cache row R + P; extend: the q/k head dim
-    dv: int  # mla_decode: R (the latent, V); extend: the v head dim
+    dk: int  # mla_decode: the cache row R + P; extend, paged_decode: the q/k head dim
+    dv: int  # mla_decode: R (the latent, V); extend, paged_decode: the v head dim
+    hkv: int = 1  # paged_decode: KV heads
 
 
 def moe_shapes(which: str, experts_v3: int) -> list[MoeShape]:
@@ -109,7 +115,12 @@ def linear_shapes(which: str) -> list[LinearShape]:
 
 
 def attn_shapes(op: str, which: str) -> list[AttnShape]:
-    """mla_decode: the absorbed form over the latent cache; extend: the naive MLA form."""
+    """mla_decode: the absorbed form over the latent cache; extend: the naive MLA form; paged_decode: GQA/MHA."""
+    if op == "paged_decode":
+        shapes = {"small": [AttnShape("qwen3moe.gqa", 32, 128, 128, 4), AttnShape("llama.gqa", 32, 64, 64, 8),
+                            AttnShape("qwen2moe.mha", 16, 128, 128, 16)],
+                  "v3": [AttnShape("qwen3-235b.gqa", 64, 128, 128, 4)]}
+        return shapes["small"] + shapes["v3"] if which == "all" else shapes[which]
     dk, dv = (576, 512) if op == "mla_decode" else (192, 128)
     form = "mla" if op == "mla_decode" else "attn_naive"
     shapes = {"small": [AttnShape(f"small.{form}", 16, dk, dv)], "v3": [AttnShape(f"v3.{form}", 128, dk, dv)]}
@@ -323,16 +334,21 @@ def bf16_randn(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bfloat16).normal_(generator=g)
 
 
-def paged_latent_cache(g: torch.Generator, b: int, context: int, dk: int, n_blocks: int):
-    """A bf16 latent cache of n_blocks shuffled blocks of CACHE_BLOCK rows [dk], cut into as many disjoint
-    regions (block tables [b, blocks per sequence]) as it holds, and the sequence lengths: consecutive
-    calls on other regions read the cache from DRAM."""
+def block_regions(g: torch.Generator, b: int, context: int, n_blocks: int):
+    """n_blocks cache blocks in shuffled order, cut into as many disjoint regions (block tables [b, blocks per
+    sequence]) as they hold, and the sequence lengths: consecutive calls on other regions read the cache from
+    DRAM."""
     per_seq = -(-context // CACHE_BLOCK)
     need = b * per_seq
-    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, dk)
     order = torch.randperm(n_blocks, generator=g).to(torch.int32)
     regions = [order[i * need:(i + 1) * need].view(b, per_seq) for i in range(n_blocks // need)]
-    return cache, regions, torch.full((b,), context, dtype=torch.int32)
+    return regions, torch.full((b,), context, dtype=torch.int32)
+
+
+def paged_latent_cache(g: torch.Generator, b: int, context: int, dk: int, n_blocks: int):
+    """A bf16 latent cache of n_blocks blocks of CACHE_BLOCK rows [dk], and block_regions over it."""
+    cache = bf16_randn(g, n_blocks, CACHE_BLOCK, dk)
+    return (cache, *block_regions(g, b, context, n_blocks))
 
 
 def bench_mla_decode(shape: AttnShape, b: int, context: int, repeats: int, g: torch.Generator) -> dict:
@@ -353,6 +369,29 @@ def bench_mla_decode(shape: AttnShape, b: int, context: int, repeats: int, g: to
     keys = b * context
     return _row("mla_decode", "bf16", b, f"{shape.name} H={shape.h} R={shape.dv} P={shape.dk - shape.dv} "
                 f"ctx={context} bs={CACHE_BLOCK}", ours, theirs, keys * shape.dk * 2,
+                keys * shape.h * (2 * shape.dk + 2 * shape.dv), context=context)
+
+
+def bench_paged_decode(shape: AttnShape, b: int, context: int, repeats: int, g: torch.Generator) -> dict:
+    import kernels.cpu as cpu
+    from kernels import reference
+
+    need = b * -(-context // CACHE_BLOCK)
+    n_blocks = max(2 * need, POOL_BYTES // (CACHE_BLOCK * shape.hkv * (shape.dk + shape.dv) * 2))
+    regions, lens = block_regions(g, b, context, n_blocks)
+    k_cache = bf16_randn(g, n_blocks, CACHE_BLOCK, shape.hkv, shape.dk)
+    v_cache = bf16_randn(g, n_blocks, CACHE_BLOCK, shape.hkv, shape.dv)
+    q = bf16_randn(g, b, shape.h, shape.dk)
+    scale = shape.dk ** -0.5
+
+    def call(fn, region: int):
+        return fn(q, k_cache, v_cache, regions[region % len(regions)], lens, scale)
+
+    ours, theirs = alternate(lambda r: call(cpu.paged_decode, 2 * r), lambda r: call(reference.paged_decode, 2 * r + 1),
+                             repeats)
+    keys = b * context
+    return _row("paged_decode", "bf16", b, f"{shape.name} H={shape.h} Hkv={shape.hkv} d={shape.dk} ctx={context} "
+                f"bs={CACHE_BLOCK}", ours, theirs, keys * shape.hkv * (shape.dk + shape.dv) * 2,
                 keys * shape.h * (2 * shape.dk + 2 * shape.dv), context=context)
 
 
@@ -415,7 +454,7 @@ def _row(op, fmt, t, shape, ours, theirs, nbytes, flops, context: int | None = N
 def cases(ops, fmts, tokens, which: str, experts_v3: int, contexts=CONTEXTS, prefixes=PREFIXES):
     """(op, shape, format, tokens, context): context is mla_decode's keys per sequence, extend's
     prefix, None for the weight ops; the attention ops run on a bf16 cache whatever `fmts` says."""
-    extra = {"mla_decode": contexts, "extend": prefixes}
+    extra = {"mla_decode": contexts, "paged_decode": contexts, "extend": prefixes}
     for op in ops:
         for shape in shapes_of(op, which, experts_v3):
             for fmt in (fmts if op not in extra else ["bf16"]):
@@ -427,6 +466,8 @@ def cases(ops, fmts, tokens, which: str, experts_v3: int, contexts=CONTEXTS, pre
 def bench_case(op, shape, fmt, t, ctx, repeats: int, g: torch.Generator) -> dict:
     if op == "mla_decode":
         return bench_mla_decode(shape, t, ctx, repeats, g)
+    if op == "paged_decode":
+        return bench_paged_decode(shape, t, ctx, repeats, g)
     if op == "extend":
         return bench_extend(shape, t, ctx, repeats, g)
     return (bench_moe if op == "fused_moe" else bench_linear)(shape, fmt, t, repeats, g)
@@ -508,10 +549,10 @@ def add_parser(sub) -> None:
     k.add_argument("--format", action="append", choices=list(FORMATS),
                    help="weight format (repeatable; default all); attention ops: a bf16 cache")
     k.add_argument("--tokens", action="append", type=int,
-                   help="tokens; mla_decode: sequences; extend: new tokens (repeatable; default per op: "
+                   help="tokens; mla_decode, paged_decode: sequences; extend: new tokens (repeatable; default per op: "
                         + ", ".join(f"{op} {list(v)}" for op, v in TOKENS.items()) + ")")
     k.add_argument("--context", action="append", type=int,
-                   help=f"mla_decode: keys per sequence (repeatable; default {list(CONTEXTS)})")
+                   help=f"mla_decode, paged_decode: keys per sequence (repeatable; default {list(CONTEXTS)})")
     k.add_argument("--prefix", action="append", type=int,
                    help=f"extend: cached keys before the new tokens (repeatable; default {list(PREFIXES)})")
     k.add_argument("--shapes", default="small", choices=["small", "v3", "all"])

@@ -1,6 +1,7 @@
 """The "cpu" backend's attention (kernels/cpu/csrc/attention.cpp) against kernels.reference.
 
-Ops: mla_decode (with and without the step's new rows), paged_decode (GQA 8/2, 6/3, 22/2, MHA 4/4),
+Ops: mla_decode (with and without the step's new rows), paged_decode (GQA 8/2, 6/3, 22/2, MHA 4/4; the packed
+register form's 32/4, 12/4, 10/2, 56/8, MHA 8/8, under every register form and prefetch level),
 extend_attention, paged_extend, chunked prefill. Shapes in groups: regular (the small preset:
 H=16, R=512, P=64; the naive MLA extend form Dk=192, Dv=128), odd (6 and 22 heads, contexts 1, 7,
 129, 300, head dims 24/20, block sizes 4 and 16) and corner (lengths [1, 129, 7], T=1 extends,
@@ -136,6 +137,14 @@ DECODE_CASES = {  # name → (lens, H, Hkv, Dk, Dv, BS)
     "odd_gqa_22_2": ([300, 129], 22, 2, 24, 20, 4),
     "corner_lens": ([1, 129, 7], 8, 2, 192, 128, 64),
     "corner_bs1": ([5, 1], 4, 2, 24, 20, 1),
+    # the packed form's shapes (auto takes it for ≤ 8 rows per KV head): Qwen3-MoE's 32 / 4 (2 KV heads per task,
+    # 16 lanes), 4 KV heads of 3 rows (12 lanes, dims with a chunk tail), 2 of 5 (10 lanes, block size 4), 8 KV heads
+    # of 7 rows (P = 2 of 8), MHA (4 heads of one row each per task)
+    "regular_qwen3_32_4": ([2048, 300], 32, 4, 128, 128, 16),
+    "odd_gqa_12_4": ([7, 129, 300], 12, 4, 72, 40, 16),
+    "odd_gqa_10_2": ([300, 1, 33], 10, 2, 24, 20, 4),
+    "odd_gqa_56_8": ([1, 129], 56, 8, 64, 64, 16),
+    "corner_mha_8_one_key": ([1], 8, 8, 16, 16, 1),
 }
 
 
@@ -153,6 +162,25 @@ def decode_inputs(case: str, cache_dtype, q_dtype):
 def test_paged_decode(case, cache_dtype, q_dtype):
     args = decode_inputs(case, cache_dtype, q_dtype)
     check(cpu.paged_decode(*args), reference.paged_decode(*args), tol(q_dtype), f"paged_decode {case}")
+
+
+PACKED_CASES = ["regular_gqa_8_2", "regular_mha_4", "odd_gqa_6_3", "odd_gqa_12_4", "odd_gqa_10_2", "odd_gqa_56_8",
+                "corner_bs1", "corner_mha_8_one_key"]
+
+
+@pytest.mark.parametrize("cache_dtype", [F32, BF], ids=["cache_f32", "cache_bf16"])
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_paged_decode_every_register_form_and_prefetch(case, cache_dtype):
+    """cpu_attn_f32_form (the packed form where a KV head has ≤ 8 rows and P divides the KV heads; 6 / 3 packs
+    nothing) × cpu_attn_prefetch, with one key split and with several (the splits' partial outputs in head order)."""
+    args = decode_inputs(case, cache_dtype, F32)
+    want = reference.paged_decode(*args)
+    for form in ("transpose", "lanes", "packed", "auto"):
+        for pf in ("none", "t0", "t1", "t2"):
+            for splits in (1, 8):
+                knobs = {"cpu_attn_f32_form": form, "cpu_attn_prefetch": pf, "cpu_attn_kv_splits": splits,
+                         "cpu_attn_decode_kv_block": 16}
+                check(cpu.paged_decode(*args, knobs=knobs), want, TIGHT, f"paged_decode {case} {knobs}")
 
 
 # ------------------------------------------------------------------ extend (prefill)

@@ -265,6 +265,14 @@ def _calls(cpu, weight, g, out) -> None:
     for dt in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(s, h, 64, generator=g).to(dt) for s, h in ((19, 8), (300, 2), (300, 2)))
         out[f"extend/{dt}"] = cpu.extend_attention(q, k, v, 0.125)
+        # GQA decode: the packed form (2 and 4 KV heads per task), the lanes and transposed forms
+        for h, hkv in ((16, 4), (8, 4)):
+            kc, vc = (torch.randn(40, 16, hkv, 72, generator=g).to(dt) for _ in range(2))
+            qd = torch.randn(2, h, 72, generator=g)
+            tables = torch.randperm(40, generator=g).view(2, 20).to(torch.int32)
+            for form in ("packed", "lanes", "transpose"):
+                out[f"decode/{dt}/{h}/{hkv}/{form}"] = cpu.paged_decode(
+                    qd, kc, vc, tables, torch.tensor([300, 17], dtype=torch.int32), 0.1, knobs={"cpu_attn_f32_form": form})
 
 
 @pytest.mark.skipif(not RUNS_AVX512, reason=f"this CPU lacks {cpu_build.missing_for('avx512')}: only the AVX2 "

@@ -18,6 +18,9 @@ def test_default_cases_per_op():
                                                         for ctx in suite.CONTEXTS}
     extend = list(suite.cases(["extend"], ["bf16"], [7], "small", 32, prefixes=[0, 3]))
     assert [(c[1].dk, c[1].dv, c[3], c[4]) for c in extend] == [(192, 128, 7, 0), (192, 128, 7, 3)]
+    gqa = list(suite.cases(["paged_decode"], ["int8"], [1], "all", 32, contexts=[512]))
+    assert [(c[1].h, c[1].hkv, c[1].dk, c[2]) for c in gqa] == [(32, 4, 128, "bf16"), (32, 8, 64, "bf16"),
+                                                                 (16, 16, 128, "bf16"), (64, 4, 128, "bf16")]
 
 
 @pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
@@ -27,14 +30,18 @@ def test_attention_rows(monkeypatch):
     monkeypatch.setattr(tuner.probe, "probe", lambda: {"read_gbps": 10.0, "fp32_fma_gflops": 100.0})
     monkeypatch.setattr(suite, "POOL_BYTES", 1 << 20)
     out = io.StringIO()
-    rows = suite.run(["mla_decode", "extend"], ["int8"], [2], "small", repeats=1, store=False, out=out,
-                     as_json=True, contexts=[70], prefixes=[5])
-    mla, ext = rows
+    rows = suite.run(["mla_decode", "paged_decode", "extend"], ["int8"], [2], "small", repeats=1, store=False,
+                     out=out, as_json=True, contexts=[70], prefixes=[5])
+    mla, *gqa, ext = rows
     assert (mla["context"], mla["bytes"], mla["format"]) == (70, 2 * 70 * 576 * 2, "bf16")
     assert mla["gflops"] * 1e9 * mla["median_s"] == pytest.approx(2 * 70 * 16 * (2 * 576 + 2 * 512))
+    q3 = gqa[0]  # Qwen3-MoE's 32 query / 4 KV heads of 128 dims
+    assert (q3["context"], q3["bytes"]) == (70, 2 * 70 * 4 * 256 * 2) and "Hkv=4" in q3["shape"]
+    assert q3["gflops"] * 1e9 * q3["median_s"] == pytest.approx(2 * 70 * 32 * 4 * 128)
     assert ext["context"] == 7 and ext["gflops"] * 1e9 * ext["median_s"] == pytest.approx(2 * 16 * 320 * (2 * 5 + 3))
     assert all(r["speedup_vs_torch"] > 0 and r["fraction_of_peak_flops"] > 0 for r in rows)
-    assert [json.loads(line)["op"] for line in out.getvalue().splitlines()] == ["mla_decode", "extend"]
+    assert [json.loads(line)["op"] for line in out.getvalue().splitlines()] == ["mla_decode"] + ["paged_decode"] * 3 + [
+        "extend"]
 
 
 # ------------------------------------------------------------------ the A/B and row-length tools

@@ -88,13 +88,26 @@ inline void transpose16(const __m512 r[16], __m512 out[16]) {
   }
 }
 
-// Kt[d * ldk + j] = K[j][d] as float32 for d < Dk, j < nbp (keys j ≥ nb are zero).
+// The rows of the next cache block that a kernel prefetches while it works on this block's (cpu_attn_prefetch):
+// rows[j] for j < n, into the level `hint` says (kPrefetchNone: none).
+struct Ahead {
+  const uint8_t* const* rows = nullptr;
+  int n = 0;
+  int hint = kPrefetchNone;
+};
+
+// Kt[d * ldk + j] = K[j][d] as float32 for d < Dk, j < nbp (keys j ≥ nb are zero); next: the next block's key
+// rows, each line prefetched beside the reads of the same line of this block's.
 template <int DT>
-void transpose_keys(const uint8_t* const* krow, int nb, int64_t Dk, float* Kt, int64_t ldk) {
+void transpose_keys(const uint8_t* const* krow, int nb, int64_t Dk, float* Kt, int64_t ldk, const Ahead& next = Ahead{}) {
+  constexpr int64_t esz = DT == kBF16 ? 2 : 4;
+  const int pn = next.hint != kPrefetchNone ? next.n : 0;
   __m512 r[16], o[16];
   for (int j0 = 0; j0 < ldk; j0 += 16) {
     for (int64_t d0 = 0; d0 < Dk; d0 += 16) {
       const __mmask16 m = tail_mask16(Dk - d0);
+      if ((d0 * esz) % 64 == 0)
+        for (int j = j0; j < std::min(j0 + 16, pn); ++j) prefetch_line(next.rows[j] + d0 * esz, next.hint);
       for (int j = 0; j < 16; ++j) r[j] = j0 + j < nb ? load16<DT>(krow[j0 + j], d0, m) : _mm512_setzero_ps();
       transpose16(r, o);
       const int64_t dn = std::min<int64_t>(16, Dk - d0);
@@ -143,21 +156,27 @@ void qk_tile(const float* Qt, const float* Kt, int64_t ldk, int64_t Dk, float* S
   }
 }
 
-// A[g][c] = A[g][c] · alpha[g] + Σ_j Pt[j * 16 + g] · V[j][c] for G rows, c < Dv (probabilities
-// transposed, [keys][16 rows], for the same reason as the queries).
-template <int G, int DT>
+// A[g][c] = A[g][c] · alpha[g · LS] + Σ_j Pt[j * 16 + g · LS] · V[j][c] for G rows, c < Dv (probabilities
+// transposed, [keys][16 lanes], for the same reason as the queries; LS > 1: the packed form's rows of one KV head,
+// every LS-th lane).
+// next: the rows of the next cache block (cpu_attn_prefetch), each line prefetched in the pass over the columns
+// that starts on it, one row per key of this block.
+template <int G, int DT, int LS = 1>
 void pv_tile(const float* Pt, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
-             const float* alpha) {
+             const float* alpha, const Ahead& next = Ahead{}) {
+  constexpr int64_t esz = DT == kBF16 ? 2 : 4;
   for (int64_t c = 0; c < Dv; c += 16) {
     const __mmask16 m = tail_mask16(Dv - c);
     __m512 acc[G];
     for (int g = 0; g < G; ++g)
-      acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g]));
+      acc[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A + g * lda + c), _mm512_set1_ps(alpha[g * LS]));
+    const int pn = next.hint != kPrefetchNone && (c * esz) % 64 == 0 ? next.n : 0;
     for (int j = 0; j < nb; ++j) {
+      if (j < pn) prefetch_line(next.rows[j] + c * esz, next.hint);
       const __m512 v = load16<DT>(vrow[j], c, m);
       const float* p = Pt + j * kGroup;
 #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g]), v, acc[g]);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * LS]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(A + g * lda + c, m, acc[g]);
   }
@@ -186,13 +205,19 @@ constexpr int kChunk = 64;
 // Whether a task of `rows` rows on the register form takes the lanes form (cpu_attn_f32_form; auto: from a full
 // register group, as fewer rows leave lanes idle).
 inline bool lanes_form(const Knobs& kn, int64_t rows) {
-  return kn.attn_f32_form == kAttnLanes || (kn.attn_f32_form == kAttnFormAuto && rows >= kGroup);
+  return kn.attn_f32_form == kAttnLanes ||
+         ((kn.attn_f32_form == kAttnFormAuto || kn.attn_f32_form == kAttnPacked) && rows >= kGroup);
 }
 
+// next: the next block's key rows, each row's lines prefetched beside the conversion of this block's row j.
 template <int DT>
-void keys_chunked(const uint8_t* const* krow, int nb, int nbp, int64_t Dk, float* Kc) {
+void keys_chunked(const uint8_t* const* krow, int nb, int nbp, int64_t Dk, float* Kc, const Ahead& next = Ahead{}) {
+  constexpr int64_t esz = DT == kBF16 ? 2 : 4;
   const int64_t nch = (Dk + kChunk - 1) / kChunk, full = Dk / kChunk, cs = (int64_t)nbp * kChunk;
+  const int pn = next.hint != kPrefetchNone ? next.n : 0;
   for (int j = 0; j < nb; ++j) {  // each key row read in order, its chunks nbp rows apart
+    if (j < pn)
+      for (int64_t b = 0; b < Dk * esz; b += 64) prefetch_line(next.rows[j] + b, next.hint);
     float* dst = Kc + (int64_t)j * kChunk;
     for (int64_t c = 0; c < full; ++c)
 #pragma GCC unroll 4
@@ -264,17 +289,130 @@ inline void softmax_lanes(float* St, int nb, int G, const int64_t* lim, int64_t 
   _mm512_mask_storeu_ps(alpha, gm, al);
 }
 
+// ------------------------------------------------------------------ the packed form (decode, cpu_attn_f32_form)
+// A KV head with at most 8 query rows fills half a register group or less; the packed form gives one task the rows
+// of P = 2 or 4 KV heads, interleaved in the lanes (lane p + P·r: row r of the task's head p, R rows per head). A
+// block's keys of the P heads are converted once into chunks of kChunk dims with the heads interleaved,
+// Kc[((c · nbp + j) · kChunk + i) · P + p] = K_p[j][c · kChunk + i], so one broadcast of P floats (vpbroadcastq,
+// vbroadcastf32x4: a load, no shuffle) gives every lane its own head's key element: QK is the lanes form's 16 keys
+// × 1 query vector per dim with every lane busy. The online softmax runs down the keys as the lanes form's, and PV
+// runs per head on pv_tile over that head's lanes (every P-th).
+
+// How many KV heads a decode task packs into its lanes: P ∈ {4, 2} with P · Hg ≤ 16 that divides Hkv, on the
+// register form (float32 FMAs, fewer rows than cpu_attn_blas_rows), where cpu_attn_f32_form is packed or auto; else 1.
+inline int packed_heads(const Knobs& kn, int64_t Hg, int64_t Hkv, bool dot) {
+  if (dot || Hg > kGroup / 2 || Hg >= kn.attn_blas_rows ||
+      (kn.attn_f32_form != kAttnPacked && kn.attn_f32_form != kAttnFormAuto))
+    return 1;
+  for (int P = 4; P >= 2; P /= 2)
+    if (P * Hg <= kGroup && Hkv % P == 0) return P;
+  return 1;
+}
+
+// P broadcast floats: every lane l gets x[l % P].
+template <int P>
+inline __m512 bcast_heads(const float* x) {
+  if constexpr (P == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(x));
+  if constexpr (P == 2) {
+    long long bits;
+    std::memcpy(&bits, x, sizeof bits);
+    return _mm512_castsi512_ps(_mm512_set1_epi64(bits));
+  }
+  return _mm512_set1_ps(*x);
+}
+
+// v[0..P) (16 dims each, one per head) interleaved into dst[i · P + p] = v[p][i], i < 16.
+template <int P>
+inline void store_interleaved(const __m512* v, float* dst) {
+  alignas(64) static const int32_t lo2[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t hi2[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i l2 = _mm512_loadu_si512(lo2), h2 = _mm512_loadu_si512(hi2);
+  if constexpr (P == 2) {
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(v[0], l2, v[1]));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(v[0], h2, v[1]));
+  } else if constexpr (P == 4) {  // pairs (a, b) and (c, d) interleaved, then the pairs as 64-bit units
+    alignas(64) static const int32_t lo4[16] = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+    alignas(64) static const int32_t hi4[16] = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
+    const __m512i l4 = _mm512_loadu_si512(lo4), h4 = _mm512_loadu_si512(hi4);
+    const __m512 ab0 = _mm512_permutex2var_ps(v[0], l2, v[1]), ab1 = _mm512_permutex2var_ps(v[0], h2, v[1]);
+    const __m512 cd0 = _mm512_permutex2var_ps(v[2], l2, v[3]), cd1 = _mm512_permutex2var_ps(v[2], h2, v[3]);
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(ab0, l4, cd0));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(ab0, h4, cd0));
+    _mm512_storeu_ps(dst + 32, _mm512_permutex2var_ps(ab1, l4, cd1));
+    _mm512_storeu_ps(dst + 48, _mm512_permutex2var_ps(ab1, h4, cd1));
+  } else {
+    _mm512_storeu_ps(dst, v[0]);
+  }
+}
+
+// The block's keys of P heads (krow[p · ldk + j]: key j of head p) as Kc above (zero past Dk and for the pad keys
+// nb <= j < nbp); next: the next block's key rows in the same layout (next.rows[p · ldk + j], j < next.n), each
+// line prefetched beside the conversion of the same line of this block.
+template <int DT, int P>
+void keys_packed(const uint8_t* const* krow, int64_t ldk, int nb, int nbp, int64_t Dk, float* Kc, const Ahead& next) {
+  constexpr int64_t esz = DT == kBF16 ? 2 : 4;
+  const int64_t nch = (Dk + kChunk - 1) / kChunk, cs = (int64_t)nbp * kChunk * P;
+  const int pn = next.hint != kPrefetchNone ? next.n : 0;
+  __m512 v[P];
+  for (int j = 0; j < nb; ++j) {
+    float* dst = Kc + (int64_t)j * kChunk * P;
+    for (int64_t c = 0; c < nch; ++c)
+      for (int i = 0; i < kChunk; i += 16) {
+        const int64_t d = c * kChunk + i;
+        const __mmask16 m = d < Dk ? tail_mask16(Dk - d) : (__mmask16)0;
+        if (j < pn && d < Dk && (d * esz) % 64 == 0)
+          for (int p = 0; p < P; ++p) prefetch_line(next.rows[p * ldk + j] + d * esz, next.hint);
+        for (int p = 0; p < P; ++p) v[p] = load16<DT>(krow[p * ldk + j], d, m);
+        store_interleaved<P>(v, dst + c * cs + i * P);
+      }
+  }
+  for (int64_t c = 0; c < nch && nb < nbp; ++c)
+    std::fill(Kc + c * cs + (int64_t)nb * kChunk * P, Kc + (c + 1) * cs, 0.f);
+}
+
+// QK of the packed register group: St[j * 16 + l] = Σ_d Qt[d * 16 + l] · K_{l % P}[j][d], j < nbp (a multiple of
+// 16), as qk_lanes with the P heads' elements broadcast together.
+template <int P>
+void qk_packed(const float* Qt, const float* Kc, int nbp, int64_t Dk, float* St) {
+  const int64_t nch = (Dk + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t dn = std::min<int64_t>(kChunk, Dk - c * kChunk);
+    const float* q = Qt + c * kChunk * kGroup;
+    for (int j0 = 0; j0 < nbp; j0 += 16) {
+      const float* kb = Kc + (c * nbp + j0) * kChunk * P;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = c ? _mm512_loadu_ps(St + (j0 + i) * kGroup) : _mm512_setzero_ps();
+      for (int64_t d = 0; d < dn; ++d) {
+        const __m512 qd = _mm512_loadu_ps(q + d * kGroup);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, bcast_heads<P>(kb + (i * kChunk + d) * P), acc[i]);
+      }
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(St + (j0 + i) * kGroup, acc[i]);
+    }
+  }
+}
+
+// Qt[d * 16 + l] = q[(p · R + r) · Dk + d] · scale for lane l = p + P · r (r < R; other lanes zero): the task's
+// P · R query rows (head p's R rows consecutive in q) in the packed lanes.
+inline void pack_queries_packed(const float* q, int P, int R, int64_t Dk, float scale, float* Qt) {
+  for (int l = 0; l < kGroup; ++l) {
+    const int p = l % P, r = l / P;
+    const float* row = r < R ? q + (p * R + r) * Dk : nullptr;
+    for (int64_t d = 0; d < Dk; ++d) Qt[d * kGroup + l] = row ? row[d] * scale : 0.f;
+  }
+}
+
 template <int G>
 struct Tiles {
   static void qk(int g, const float* Qt, const float* Kt, int64_t ldk, int64_t Dk, float* S, int64_t lds) {
     if (g == G) return qk_tile<G>(Qt, Kt, ldk, Dk, S, lds);
     if constexpr (G > 1) Tiles<G - 1>::qk(g, Qt, Kt, ldk, Dk, S, lds);
   }
-  template <int DT>
+  template <int DT, int LS = 1>
   static void pv(int g, const float* Pt, const uint8_t* const* vrow, int nb, int64_t Dv, float* A, int64_t lda,
-                 const float* alpha) {
-    if (g == G) return pv_tile<G, DT>(Pt, vrow, nb, Dv, A, lda, alpha);
-    if constexpr (G > 1) Tiles<G - 1>::template pv<DT>(g, Pt, vrow, nb, Dv, A, lda, alpha);
+                 const float* alpha, const Ahead& next = Ahead{}) {
+    if (g == G) return pv_tile<G, DT, LS>(Pt, vrow, nb, Dv, A, lda, alpha, next);
+    if constexpr (G > 1) Tiles<G - 1>::template pv<DT, LS>(g, Pt, vrow, nb, Dv, A, lda, alpha, next);
   }
 };
 
@@ -302,18 +440,19 @@ KVSource kv_source(const at::Tensor& t, const char* what) {
 struct Scratch {
   std::vector<float> kt, s, pt, alpha, kf, vf, q;  // kf, vf, q: the BLAS form (row-major float32)
   std::vector<uint32_t> kp, pb;                     // the dot form: key pairs, probability pairs
-  std::vector<const uint8_t*> krow, vrow;
+  std::vector<const uint8_t*> krow, vrow, nkrow, nvrow;  // nkrow, nvrow: the next block's (the packed form)
   // the AMX form: staged key tiles, V's key pairs interleaved, bf16 probability rows, the output rows
   std::vector<uint16_t> kst, pbf;
   std::vector<uint32_t> vp;
   std::vector<float> o;
   std::vector<const uint8_t*> ka;  // per 16-key tile: its A operand (in the cache, or staged)
   std::vector<int64_t> kld;        // and the bytes between its rows
-  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes = false) {
+  // pack: the packed form's KV heads per task (their key and value rows, their interleaved chunked keys)
+  void fit(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes = false, int pack = 1) {
     const int64_t ldk = (kv_block + 15) / 16 * 16, rp = (rows + kGroup - 1) / kGroup * kGroup;
     grow(kt, Dk * ldk), grow(s, rp * ldk), grow(pt, ldk * kGroup), grow(alpha, rp);
-    grow(krow, ldk), grow(vrow, ldk);
-    if (lanes) grow(kf, ldk * ((Dk + kChunk - 1) / kChunk) * kChunk);  // the chunked keys (keys_chunked)
+    grow(krow, ldk * pack), grow(vrow, ldk * pack), grow(nkrow, ldk * pack), grow(nvrow, ldk * pack);
+    if (lanes) grow(kf, ldk * ((Dk + kChunk - 1) / kChunk) * kChunk * pack);  // the chunked keys (keys_chunked, _packed)
     if (blas) grow(kf, kv_block * Dk), grow(vf, kv_block * Dv), grow(q, rows * Dk);
     if (dot) grow(kp, (Dk + 1) / 2 * ldk), grow(pb, kGroup * ldk / 2);
     if (dot >= kDotAmx) {
@@ -328,10 +467,45 @@ struct Scratch {
   }
 };
 
-Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes) {
+Scratch& thread_scratch(int64_t rows, int64_t kv_block, int64_t Dk, int64_t Dv, bool blas, int dot, bool lanes,
+                        int pack = 1) {
   static thread_local Scratch sc;
-  sc.fit(rows, kv_block, Dk, Dv, blas, dot, lanes);
+  sc.fit(rows, kv_block, Dk, Dv, blas, dot, lanes, pack);
   return sc;
+}
+
+// attend's packed form (float32 FMAs): one register group of P KV heads (kvh0 ..) with R rows each, in the packed
+// lanes (pack_queries_packed's Qt); lim, m, l: per lane [16]; A: the rows in head order (head p's row r at
+// A + (p · R + r) · lda).
+template <int DT, int P>
+void attend_packed(const float* Qt, int R, const int64_t* lim, const KVSource& K, const KVSource& V,
+                   const int32_t* table, int64_t kvh0, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
+                   float* l, float* A, int64_t lda, int hint) {
+  const int64_t Dk = K.dim, Dv = V.dim, ldk = (kv_block + 15) / 16 * 16;
+  // the block's rows (krow, vrow) and the next block's (nkrow, nvrow: prefetched while these are used)
+  auto rows_of = [&](int64_t n0, int nb, const uint8_t** kr, const uint8_t** vr) {
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < nb; ++j) {
+        kr[p * ldk + j] = K.row(table, n0 + j, kvh0 + p);
+        vr[p * ldk + j] = V.row(table, n0 + j, kvh0 + p);
+      }
+  };
+  const int nb0 = (int)std::min<int64_t>(kv_block, k1 - k0);
+  rows_of(k0, nb0, sc.nkrow.data(), sc.nvrow.data());
+  for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
+    const int nb = (int)std::min<int64_t>(kv_block, k1 - n0), nbp = (nb + 15) / 16 * 16;
+    std::swap(sc.krow, sc.nkrow), std::swap(sc.vrow, sc.nvrow);  // the rows found one block ago
+    const int nn = (int)std::clamp<int64_t>(k1 - n0 - kv_block, 0, kv_block);
+    if (nn > 0) rows_of(n0 + kv_block, nn, sc.nkrow.data(), sc.nvrow.data());
+    const int h = nn > 0 ? hint : (int)kPrefetchNone;
+    float* St = sc.s.data();
+    keys_packed<DT, P>(sc.krow.data(), ldk, nb, nbp, Dk, sc.kf.data(), Ahead{sc.nkrow.data(), nn, h});
+    qk_packed<P>(Qt, sc.kf.data(), nbp, Dk, St);
+    softmax_lanes(St, nb, P * R, lim, n0, m, l, sc.alpha.data());
+    for (int p = 0; p < P; ++p)
+      Tiles<kGroup>::pv<DT, P>(R, St + p, sc.vrow.data() + p * ldk, nb, Dv, A + p * R * lda, lda, sc.alpha.data() + p,
+                               Ahead{sc.nvrow.data() + p * ldk, nn, h});
+  }
 }
 
 // Row j of a block as float32 into dst[j * n ...] (n elements).
@@ -625,7 +799,8 @@ inline unsigned attn_used(int dot) {
 template <int DT>
 void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows, const int64_t* lim,
             const KVSource& K, const KVSource& V, const int32_t* table, int64_t kvh, int64_t k0, int64_t k1,
-            int64_t kv_block, bool blas, bool lanes, Scratch& sc, float* m, float* l, float* A, int64_t lda) {
+            int64_t kv_block, bool blas, bool lanes, Scratch& sc, float* m, float* l, float* A, int64_t lda,
+            int hint = kPrefetchNone) {
   if constexpr (DT == kBF16) {  // (attn_dot takes the AMX form for a bf16 cache only)
     if (dot == kDotAmx) return attend_amx<AmxHw>(Qb, qscale, rows, lim, K, V, table, kvh, k0, k1, kv_block, sc, m, l, A, lda);
     if (dot == kDotAmxModel)
@@ -653,13 +828,24 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
     }
     Qm = view2d(sc.q.data(), rows, Dk, Dk);
   }
+  // cpu_attn_prefetch (the register forms): the next block's rows (nkrow, nvrow), prefetched while this block's
+  // are read
+  if (blas || dot) hint = kPrefetchNone;
+  auto rows_of = [&](int64_t n0, int nb, const uint8_t** kr, const uint8_t** vr) {
+    for (int j = 0; j < nb; ++j) {
+      kr[j] = K.row(table, n0 + j, kvh);
+      vr[j] = V.row(table, n0 + j, kvh);
+    }
+  };
+  if (k0 < k1) rows_of(k0, (int)std::min<int64_t>(kv_block, k1 - k0), sc.nkrow.data(), sc.nvrow.data());
   for (int64_t n0 = k0; n0 < k1; n0 += kv_block) {
     const int nb = (int)std::min<int64_t>(kv_block, k1 - n0);
     const int64_t ldk = (nb + 15) / 16 * 16;
-    for (int j = 0; j < nb; ++j) {
-      sc.krow[j] = K.row(table, n0 + j, kvh);
-      sc.vrow[j] = V.row(table, n0 + j, kvh);
-    }
+    std::swap(sc.krow, sc.nkrow), std::swap(sc.vrow, sc.nvrow);  // the rows found one block ago
+    const int nn = (int)std::clamp<int64_t>(k1 - n0 - kv_block, 0, kv_block);
+    if (nn > 0) rows_of(n0 + kv_block, nn, sc.nkrow.data(), sc.nvrow.data());
+    const Ahead knext{sc.nkrow.data(), nn, nn > 0 ? hint : (int)kPrefetchNone};
+    const Ahead vnext{sc.nvrow.data(), nn, v_in_k || nn == 0 ? (int)kPrefetchNone : hint};
     float* S = sc.s.data();
     at::Tensor Vm;
     if (blas) {
@@ -678,14 +864,15 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
       }
     } else if (lanes) {  // QK, softmax and PV per register group, its rows in the lanes
       const int nbp = (int)ldk;
-      keys_chunked<DT>(sc.krow.data(), nb, nbp, Dk, sc.kf.data());
+      keys_chunked<DT>(sc.krow.data(), nb, nbp, Dk, sc.kf.data(), knext);
       for (int g0 = 0; g0 < rows; g0 += kGroup) {
         const int G = std::min(kGroup, rows - g0);
         float* St = S + g0 * ldk;
         qk_lanes(Qt + g0 * Dk, sc.kf.data(), nbp, Dk, St);
         softmax_lanes(St, nb, G, lim + g0, n0, m + g0, l + g0, sc.alpha.data() + g0);
-        if (!v_in_k) {
-          Tiles<kGroup>::pv<DT>(G, St, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+        if (!v_in_k) {  // (V's next rows: prefetched in the first register group's PV)
+          Tiles<kGroup>::pv<DT>(G, St, sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0,
+                                g0 == 0 ? vnext : Ahead{});
           continue;
         }
         // V the leading columns of the K rows: PV reads the same float32 chunks (no second conversion), the
@@ -699,7 +886,7 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
       }
       continue;
     } else {
-      transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk);
+      transpose_keys<DT>(sc.krow.data(), nb, Dk, sc.kt.data(), ldk, knext);
       for (int g0 = 0; g0 < rows; g0 += kGroup)
         Tiles<kGroup>::qk(std::min(kGroup, rows - g0), Qt + g0 * Dk, sc.kt.data(), ldk, Dk, S + g0 * ldk, ldk);
     }
@@ -753,7 +940,8 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
     for (int g0 = 0; g0 < rows; g0 += kGroup) {
       const int G = std::min(kGroup, rows - g0);
       transpose_probs(S + g0 * ldk, ldk, G, ldk, sc.pt.data());
-      Tiles<kGroup>::pv<DT>(G, sc.pt.data(), sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0);
+      Tiles<kGroup>::pv<DT>(G, sc.pt.data(), sc.vrow.data(), nb, Dv, A + g0 * lda, lda, sc.alpha.data() + g0,
+                            g0 == 0 ? vnext : Ahead{});
     }
   }
 }
@@ -812,11 +1000,16 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   // blocks ×1.16 one 128-head block cut into 2 key splits.
   int64_t hf = std::min(kn.attn_head_fold, Hg);
   while (hf / 2 >= kGroup && B * Hkv * ((Hg + hf - 1) / hf) < threads) hf /= 2;
+  // the dot form (attn_dot): the query rows as bf16 pairs instead, rows × Dk / 2 units per head block
+  const int dot = attn_dot(kn, DT == kBF16, Dk, Dv, q, B * H * Dk);
+  // The packed form: P KV heads per task, all of their rows (hf = Hg ≤ 8), one register group.
+  const int P = packed_heads(kn, hf == Hg ? Hg : kGroup, Hkv, dot != kNoDot);
+  const int64_t Hp = Hkv / P;  // a task's KV heads: kvg · P ..
   const int64_t nhb = (Hg + hf - 1) / hf;
   // Splitting a sequence's keys only creates parallelism (and costs a partial output per piece, zeroed
   // and merged): at most attn_kv_splits pieces, and no more than the threads need beside the
   // (sequence, KV head, head block) tasks there already are (a batch of ≥ threads sequences: none).
-  const int64_t groups = B * Hkv * nhb;
+  const int64_t groups = B * Hp * nhb;
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(kn.attn_kv_splits, (threads + groups - 1) / groups));
   const int64_t tasks = groups * S;
   // Split partials: the output rows are written before they are read (an empty split is never read),
@@ -825,13 +1018,11 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
   Scratch::grow(part_buf, B * H * S * Dv);
   float* const part_acc = part_buf.data();
   std::vector<float> part_m(B * H * S, kNegInf), part_l(B * H * S, 0.f);
-  // The packed queries of every (sequence, KV head, head block), once: the splits of one share them.
-  const int64_t qsize = (hf + kGroup - 1) / kGroup * kGroup * Dk, nq = B * Hkv * nhb;
+  // The packed queries of every (sequence, KV head (group), head block), once: the splits of one share them.
+  const int64_t qsize = (hf * P + kGroup - 1) / kGroup * kGroup * Dk, nq = B * Hp * nhb;
   static thread_local std::vector<float> q_buf;
   Scratch::grow(q_buf, nq * qsize);
   float* const qpacked = q_buf.data();
-  // the dot form (attn_dot): the query rows as bf16 pairs instead, rows × Dk / 2 units per head block
-  const int dot = attn_dot(kn, DT == kBF16, Dk, Dv, q, B * H * Dk);
   const int64_t qbsize = (hf + kGroup - 1) / kGroup * kGroup * (Dk / 2);
   static thread_local std::vector<uint32_t> qb_buf;
   if (dot) Scratch::grow(qb_buf, nq * qbsize);
@@ -843,14 +1034,20 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     const bool blas = !dot && hf >= kn.attn_blas_rows;
     // keys per block, for the path taken (the sgemm and AMX forms convert whole blocks)
     const int64_t kvb = blas || dot >= kDotAmx ? kn.attn_blas_kv_block : kn.attn_decode_kv_block;
-    const bool lanes = !dot && lanes_form(kn, hf);  // the register form's layout (rows below blas_rows)
-    Scratch& sc = thread_scratch(hf, kvb, Dk, Dv, blas, dot, lanes);
+    // the register form's layout (rows below blas_rows): packed (P > 1), lanes, or transposed
+    const bool lanes = !dot && (P > 1 || lanes_form(kn, hf));
+    Scratch& sc = thread_scratch(hf * P, kvb, Dk, Dv, blas, dot, lanes, P);
     std::vector<const float*> qrow(hf);
-    std::vector<int64_t> lim(hf);
-    std::vector<float> m(hf), l(hf);
+    const int64_t nlim = std::max<int64_t>(hf, kGroup);  // the packed form's per lane
+    std::vector<int64_t> lim(nlim);
+    std::vector<float> m(nlim), l(nlim);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t hb = i % nhb, kvh = (i / nhb) % Hkv, b = i / (nhb * Hkv), h0 = kvh * Hg + hb * hf;
+      const int64_t hb = i % nhb, kvh = (i / nhb) % Hp * P, b = i / (nhb * Hp), h0 = kvh * Hg + hb * hf;
+      if (P > 1) {
+        pack_queries_packed(q + (b * H + h0) * Dk, P, (int)Hg, Dk, scale, qpacked + i * qsize);
+        continue;
+      }
       const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
       for (int r = 0; r < rows; ++r) qrow[r] = q + (b * H + h0 + r) * Dk;
       if (dot) pack_pairs_t(qrow.data(), rows, Dk, qbpacked + i * qbsize);
@@ -858,7 +1055,7 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hkv, b = t / (S * nhb * Hkv);
+      const int64_t s = t % S, hb = (t / S) % nhb, kvh = (t / (S * nhb)) % Hp * P, b = t / (S * nhb * Hp);
       // Cut into at most S pieces, none shorter than one cache block (short contexts: fewer, fuller tasks);
       // the AMX form's blocks are long (cpu_attn_blas_kv_block) and its tiles cheap: pieces of ≥ 32 keys, in
       // whole 16-key tiles (one sequence of 16 heads × 140 keys on 2 threads: both threads work; the runner's
@@ -868,18 +1065,31 @@ void decode_impl(const float* q, int64_t B, int64_t H, const KVSource& K, const 
                                            : std::max<int64_t>(kvb, (len + S - 1) / S);
       const int64_t k0 = std::min(len, s * split), k1 = std::min(len, k0 + split);
       const int64_t h0 = kvh * Hg + hb * hf;
-      const int rows = (int)std::min(hf, kvh * Hg + Hg - h0);
+      // rows: in head order (the packed form: P heads' Hg rows each)
+      const int rows = P > 1 ? (int)(P * Hg) : (int)std::min(hf, kvh * Hg + Hg - h0);
       const int64_t base = (b * H + h0) * S + s;  // partial index of (b, h0, s); heads step by S
       if (k1 <= k0) continue;
-      for (int r = 0; r < rows; ++r) lim[r] = len;
-      const int64_t qi = (b * Hkv + kvh) * nhb + hb;
+      std::fill(lim.begin(), lim.end(), len);
+      const int64_t qi = (b * Hp + kvh / P) * nhb + hb;
       const float* Qt = qpacked + qi * qsize;
-      std::fill(m.begin(), m.begin() + rows, kNegInf);
-      std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.f);
       float* A = part_acc + base * Dv;
       for (int r = 0; r < rows; ++r) std::fill(A + r * S * Dv, A + r * S * Dv + Dv, 0.f);
+      if (P > 1) {
+        const int R = (int)Hg;
+        if (P == 2) attend_packed<DT, 2>(Qt, R, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, sc, m.data(),
+                                         l.data(), A, S * Dv, kn.attn_prefetch);
+        else attend_packed<DT, 4>(Qt, R, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb, sc, m.data(), l.data(),
+                                  A, S * Dv, kn.attn_prefetch);
+        for (int g = 0; g < rows; ++g) {  // lane g = p + P · r → row p · R + r
+          const int64_t row = (g % P) * R + g / P;
+          part_m[base + row * S] = m[g], part_l[base + row * S] = l[g];
+        }
+        continue;
+      }
       attend<DT>(Qt, qbpacked + qi * qbsize, scale, dot, rows, lim.data(), K, V, tables + b * MB, kvh, k0, k1, kvb,
-                 blas, lanes, sc, m.data(), l.data(), A, S * Dv);
+                 blas, lanes, sc, m.data(), l.data(), A, S * Dv, kn.attn_prefetch);
       for (int r = 0; r < rows; ++r) part_m[base + r * S] = m[r], part_l[base + r * S] = l[r];
     }
   }

@@ -269,6 +269,17 @@ MT_A m512i mm512_permutex2var_epi16(m512i a, m512i idx, m512i b) {
   for (int i = 0; i < 32; ++i) r[i] = t[ix[i] & 63];
   return mm512_load_si512(r);
 }
+// vpermt2ps: result element i = (idx[i] bit 4 ? b : a)[idx[i] & 15]
+MT_A m512 mm512_permutex2var_ps(m512 a, m512i idx, m512 b) {
+  alignas(32) float t[32], r[16];
+  alignas(32) uint32_t ix[16];
+  _mm256_store_ps(t, a.lo), _mm256_store_ps(t + 8, a.hi), _mm256_store_ps(t + 16, b.lo), _mm256_store_ps(t + 24, b.hi);
+  mm512_store_si512(ix, idx);
+  for (int i = 0; i < 16; ++i) r[i] = t[ix[i] & 31];
+  return {_mm256_load_ps(r), _mm256_load_ps(r + 8)};
+}
+// vbroadcastf32x4: the 4 floats of a in every 128-bit lane
+MT_A m512 mm512_broadcast_f32x4(__m128 a) { const __m256 v = _mm256_set_m128(a, a); return {v, v}; }
 
 // ---- widening and narrowing conversions
 MT_A m512i mm512_cvtepi8_epi32(__m128i a) { return {_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))}; }
@@ -435,6 +446,8 @@ MT_A int mm512_reduce_add_epi32(m512i a) {
 #define _mm512_shuffle_i32x4 moetune_avx2::mm512_shuffle_i32x4
 #define _mm512_shuffle_ps moetune_avx2::mm512_shuffle_ps
 #define _mm512_permutex2var_epi16 moetune_avx2::mm512_permutex2var_epi16
+#define _mm512_permutex2var_ps moetune_avx2::mm512_permutex2var_ps
+#define _mm512_broadcast_f32x4 moetune_avx2::mm512_broadcast_f32x4
 #define _mm512_cvtepi8_epi32 moetune_avx2::mm512_cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 moetune_avx2::mm512_cvtepu8_epi32
 #define _mm512_cvtepu16_epi32 moetune_avx2::mm512_cvtepu16_epi32

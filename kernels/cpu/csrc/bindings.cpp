@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("amx", moetune::kAttnIsaAmx);
   py::enum_<moetune::AttnF32Form>(m, "AttnF32Form")
       .value("auto", moetune::kAttnFormAuto).value("transpose", moetune::kAttnTranspose)
-      .value("lanes", moetune::kAttnLanes);
+      .value("lanes", moetune::kAttnLanes).value("packed", moetune::kAttnPacked);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")
@@ -140,6 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("attn_blas_kv_block", &Knobs::attn_blas_kv_block)
       .def_readwrite("attn_isa", &Knobs::attn_isa)
       .def_readwrite("attn_f32_form", &Knobs::attn_f32_form)
+      .def_readwrite("attn_prefetch", &Knobs::attn_prefetch)
       .def("check", &Knobs::check, "raise when a field is unset or out of range");
   m.def("detected_features", &moetune::detected_features, "bits of the dot-product ISA cpuid reports: 1 VNNI, 2 AVX512-BF16, 4 AMX");
   m.def("usable_features", &moetune::usable_features, "detected_features() under the feature mask");

@@ -87,8 +87,11 @@ enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAtt
 // cpu_attn_f32_form: the float32-FMA register form's layout (rows below cpu_attn_blas_rows): transpose (each key
 // block converted and transposed, 16 keys in the lanes, the rows' queries broadcast) or lanes (16 rows in the
 // lanes, each key's float32 row broadcast: no transposes of keys or probabilities, the softmax down the keys);
-// auto: lanes for a task of at least 16 rows (a full register group), else transpose.
-enum AttnF32Form : int { kAttnFormAuto = 0, kAttnTranspose = 1, kAttnLanes = 2 };
+// packed (decode, a KV head of at most 8 query rows): lanes holding the rows of 2 or 4 KV heads at once, interleaved
+// (lane p + P·r: row r of the task's head p), each key element of the P heads broadcast together (elsewhere: auto's
+// rule); auto: packed where it applies, else lanes for a task of at least 16 rows (a full register group), else
+// transpose.
+enum AttnF32Form : int { kAttnFormAuto = 0, kAttnTranspose = 1, kAttnLanes = 2, kAttnPacked = 3 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 // maddubs: INT8 on vpmaddubsw + vpmaddwd with the sign trick (AVX-512BW, or AVX2 in that build).
@@ -195,6 +198,7 @@ struct Knobs {
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   AttnIsa attn_isa = (AttnIsa)-1;
   AttnF32Form attn_f32_form = (AttnF32Form)-1;
+  PrefetchHint attn_prefetch = (PrefetchHint)-1;  // attention: the next cache block's rows, while this one's are used
   void check() const;  // every field set and in range (matmul.cpp)
 };
 

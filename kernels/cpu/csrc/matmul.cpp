@@ -145,7 +145,8 @@ void Knobs::check() const {
                   attn_extend_kv_block >= 1 && attn_blas_rows >= 1 && attn_blas_kv_block >= 1,
               "attention knobs must be ≥ 1");
   TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaAmx, "attn_isa must be set");
-  TORCH_CHECK(attn_f32_form >= kAttnFormAuto && attn_f32_form <= kAttnLanes, "attn_f32_form must be set");
+  TORCH_CHECK(attn_f32_form >= kAttnFormAuto && attn_f32_form <= kAttnPacked, "attn_f32_form must be set");
+  TORCH_CHECK(attn_prefetch >= kPrefetchT0 && attn_prefetch <= kPrefetchNone, "attn_prefetch must be set");
   TORCH_CHECK(unpack_gemm >= kUnpackGemmAuto && unpack_gemm <= kUnpackGemmFma, "unpack_gemm must be set");
   TORCH_CHECK(prefill_prefetch_hint >= kPrefillT0 && prefill_prefetch_hint <= kPrefillSame && prefill_prefetch_ahead >= 0 &&
                   prefill_prefetch_ahead % 64 == 0,
