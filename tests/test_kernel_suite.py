@@ -221,3 +221,35 @@ def test_a_case_above_the_probes_limit_says_the_probe_is_stale():
     note = suite.stale_limits(rows)
     assert "120%" in note and "vnni peak" in note and "tuner.probe --refresh" in note
     assert "read bandwidth" in suite.stale_limits([{"fraction_of_read_bw": 1.44}])
+
+
+def test_attn_ab_variants_parse_and_bad_ones_are_refused(capsys):
+    from suites import attn_ab
+
+    assert attn_ab.parse_variant("defaults") == {}
+    assert attn_ab.parse_variant("cpu_attn_f32_form=packed,cpu_attn_decode_kv_block=32") == {
+        "cpu_attn_f32_form": "packed", "cpu_attn_decode_kv_block": 32}
+    for bad in ("cpu_attn_f32_form", "cpu_prefetch_hint=t1"):
+        with pytest.raises(ValueError):
+            attn_ab.parse_variant(bad)
+    assert attn_ab.main(["--heads", "6,4", "defaults"]) == 2
+    assert "multiple of the KV heads" in capsys.readouterr().err
+    assert attn_ab.main(["--heads", "8,2", "--context", "0", "defaults"]) == 2
+    assert "must be ≥ 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa_8_2", "mla_4"])
+def test_attn_ab_runs_every_variant_against_the_reference(mla):
+    """A short warm run: one row per variant, in order, each checked against kernels.reference (float32 math
+    on bf16 inputs, the output rounded to bf16: within bf16's rounding)."""
+    from suites import attn_ab
+
+    out = io.StringIO()
+    args = attn_ab.argparse.Namespace(heads=None if mla else (8, 2), mla=4 if mla else None,
+                                      dim=24, context=70, batch=2, block_size=16, repeats=2, calls=2, warm=True,
+                                      variants=["defaults", "cpu_attn_f32_form=transpose,cpu_attn_prefetch=none"])
+    rows = attn_ab.run(args, out=out)
+    assert [r["variant"] for r in rows] == args.variants
+    assert all(r["rel_err"] < 1e-2 and r["median_s"] > 0 and len(r["times"]) == 2 for r in rows)
+    assert rows[0]["vs_first"] == 1.0 and "one warm copy" in out.getvalue()
