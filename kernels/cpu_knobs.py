@@ -407,13 +407,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "packed against transpose (cache from DRAM, cpu_attn_prefetch t1 against none): 32 / 4 heads x1.24-1.32, "
          "32 / 8 (head dim 64) x1.31, MHA 16 / 16 x1.06",
          choices=("auto", "lanes", "transpose", "packed")),
-    Knob("cpu_attn_prefetch", str, "t1", "kernels/cpu",
+    Knob("cpu_attn_prefetch", str, "auto", "kernels/cpu",
          "CPU attention decode on float32 FMAs (the register forms of cpu_attn_f32_form: packed, lanes, transpose): "
          "the cache level the software prefetch of the next cache block's key and value rows fills while this "
          "block's are used (prefetcht0 / t1 / t2, or none: the hardware prefetchers alone). Each line is prefetched "
          "beside the work on the same line of this block (the key conversion, the PV product), so the prefetches "
-         "spread over the block",
-         choices=("t0", "t1", "t2", "none")),
+         "spread over the block; auto: t1 where K and V are rows of their own (GQA/MHA), none for MLA's latent "
+         "(V the leading columns of K). Emerald Rapids VM, 2 threads, the cache from DRAM, t1 against none: GQA "
+         "x1.06-1.17, MHA 16 / 16 x1.09, 64 / 4 heads (lanes) x1.30; MLA `small` x0.98-1.01",
+         choices=("t0", "t1", "t2", "none", "auto")),
     Knob("cpu_attn_extend_q_block", int, 128, "kernels/cpu",
          "CPU extend attention (prefill): query rows per task", low=8, high=256, log=True, pow2=True),
     Knob("cpu_attn_extend_kv_block", int, 512, "kernels/cpu",

@@ -482,6 +482,7 @@ void attend_packed(const float* Qt, int R, const int64_t* lim, const KVSource& K
                    const int32_t* table, int64_t kvh0, int64_t k0, int64_t k1, int64_t kv_block, Scratch& sc, float* m,
                    float* l, float* A, int64_t lda, int hint) {
   const int64_t Dk = K.dim, Dv = V.dim, ldk = (kv_block + 15) / 16 * 16;
+  if (hint == kAttnPrefetchAuto) hint = kPrefetchT1;  // (K and V rows of their own: GQA/MHA)
   // the block's rows (krow, vrow) and the next block's (nkrow, nvrow: prefetched while these are used)
   auto rows_of = [&](int64_t n0, int nb, const uint8_t** kr, const uint8_t** vr) {
     for (int p = 0; p < P; ++p)
@@ -829,7 +830,8 @@ void attend(const float* Qt, const uint32_t* Qb, float qscale, int dot, int rows
     Qm = view2d(sc.q.data(), rows, Dk, Dk);
   }
   // cpu_attn_prefetch (the register forms): the next block's rows (nkrow, nvrow), prefetched while this block's
-  // are read
+  // are read (auto: where V has rows of its own)
+  if (hint == kAttnPrefetchAuto) hint = v_in_k ? kPrefetchNone : kPrefetchT1;
   if (blas || dot) hint = kPrefetchNone;
   auto rows_of = [&](int64_t n0, int nb, const uint8_t** kr, const uint8_t** vr) {
     for (int j = 0; j < nb; ++j) {

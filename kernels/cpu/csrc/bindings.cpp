@@ -60,6 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::AttnF32Form>(m, "AttnF32Form")
       .value("auto", moetune::kAttnFormAuto).value("transpose", moetune::kAttnTranspose)
       .value("lanes", moetune::kAttnLanes).value("packed", moetune::kAttnPacked);
+  py::enum_<moetune::AttnPrefetch>(m, "AttnPrefetch")
+      .value("t0", moetune::kAttnPrefetchT0).value("t1", moetune::kAttnPrefetchT1).value("t2", moetune::kAttnPrefetchT2)
+      .value("none", moetune::kAttnPrefetchNone).value("auto", moetune::kAttnPrefetchAuto);
   py::enum_<moetune::Int4Method>(m, "Int4Method")
       .value("float", moetune::kInt4Float).value("int16", moetune::kInt4Int16).value("int8", moetune::kInt4Int8);
   py::enum_<moetune::Int8Isa>(m, "Int8Isa")

@@ -92,6 +92,11 @@ enum AttnIsa : int { kAttnIsaAuto = 0, kAttnIsaAvx512 = 1, kAttnIsaDot = 2, kAtt
 // rule); auto: packed where it applies, else lanes for a task of at least 16 rows (a full register group), else
 // transpose.
 enum AttnF32Form : int { kAttnFormAuto = 0, kAttnTranspose = 1, kAttnLanes = 2, kAttnPacked = 3 };
+// cpu_attn_prefetch: the cache level of the next cache block's prefetch in attention decode's register forms, as
+// PrefetchHint's values, or auto: t1 where K and V are rows of their own (GQA/MHA), none where V is the leading
+// columns of the K rows (MLA's latent: its products dominate, and the prefetch measured x0.98-1.01 there).
+enum AttnPrefetch : int { kAttnPrefetchT0 = 0, kAttnPrefetchT1 = 1, kAttnPrefetchT2 = 2, kAttnPrefetchNone = 3,
+                          kAttnPrefetchAuto = 4 };
 // cpu_int8_isa / cpu_bf16_isa: the dot-product instruction a microkernel is asked to use ("auto":
 // the best this CPU has, under the feature mask; BF16 dot only for bf16 activations, see isa.cpp).
 // maddubs: INT8 on vpmaddubsw + vpmaddwd with the sign trick (AVX-512BW, or AVX2 in that build).
@@ -198,7 +203,7 @@ struct Knobs {
           attn_extend_kv_block = 0, attn_blas_rows = 0, attn_blas_kv_block = 0;
   AttnIsa attn_isa = (AttnIsa)-1;
   AttnF32Form attn_f32_form = (AttnF32Form)-1;
-  PrefetchHint attn_prefetch = (PrefetchHint)-1;  // attention: the next cache block's rows, while this one's are used
+  AttnPrefetch attn_prefetch = (AttnPrefetch)-1;  // attention: the next cache block's rows, while this one's are used
   void check() const;  // every field set and in range (matmul.cpp)
 };
 

@@ -146,7 +146,7 @@ void Knobs::check() const {
               "attention knobs must be ≥ 1");
   TORCH_CHECK(attn_isa >= kAttnIsaAuto && attn_isa <= kAttnIsaAmx, "attn_isa must be set");
   TORCH_CHECK(attn_f32_form >= kAttnFormAuto && attn_f32_form <= kAttnPacked, "attn_f32_form must be set");
-  TORCH_CHECK(attn_prefetch >= kPrefetchT0 && attn_prefetch <= kPrefetchNone, "attn_prefetch must be set");
+  TORCH_CHECK(attn_prefetch >= kAttnPrefetchT0 && attn_prefetch <= kAttnPrefetchAuto, "attn_prefetch must be set");
   TORCH_CHECK(unpack_gemm >= kUnpackGemmAuto && unpack_gemm <= kUnpackGemmFma, "unpack_gemm must be set");
   TORCH_CHECK(prefill_prefetch_hint >= kPrefillT0 && prefill_prefetch_hint <= kPrefillSame && prefill_prefetch_ahead >= 0 &&
                   prefill_prefetch_ahead % 64 == 0,
