@@ -3,8 +3,9 @@
 The kernel is instantiated twice: on the AMX tile instructions, which run only where the CPU reports
 AMX and Linux grants the tile state (skipped elsewhere, with that reason), and on a C++ model of the
 same tile registers and instructions, run everywhere, which checks the packing of weights into B
-tiles, the 2 × 2 tile blocking, the K passes (cpu_amx_k_block) and every zero-padded tail (M, N, K
-not multiples of the tiles).
+tiles, the 2 × 2 tile blocking, the loop nest's column groups, row chunks and K passes
+(cpu_amx_n_group, cpu_amx_m_block, cpu_amx_k_block) and every zero-padded tail (M, N, K not multiples of
+the tiles).
 
 Bounds, against float64 math on the same inputs: INT8 (TDPBSSD, exact int32 sums) equal; BF16
 (TDPBF16PS, bf16 inputs, float32 accumulation) ‖Δ‖/‖ref‖ ≤ 2e-6 (measured ≤ 4.2e-7 at K = 2048).
@@ -38,10 +39,10 @@ SHAPES = {  # name → (M, N, K)
 HW = cpu.amx_status()
 
 
-def run(x, w, emulate, k_block=0, direct=False):
+def run(x, w, emulate, k_block=0, direct=False, n_group=1, m_block=0):
     fmt = cpu.FORMAT_IDS["int8" if w.dtype == torch.int8 else "bf16"]
     return cpu._ext.amx_linear_raw(x.float().contiguous(), fmt, w.contiguous(), w.shape[0], w.shape[1], emulate,
-                                   k_block, direct)
+                                   k_block, direct, n_group, m_block)
 
 
 def inputs(m, n, k, seed):
@@ -58,12 +59,17 @@ def check_gemm(emulate, m, n, k, seed):
     ref = xb.double() @ wb.double().T
     refi = xi.double() @ wi.double().T  # |sums| < 2^24 at these K: exact in float32 too
     # K in one pass, or in passes of one and two K tiles (sums kept between); the weight rows in place
-    # (direct: where rows hold whole K tiles, else the packed path runs)
-    for k_block, direct in ((0, False), (64, False), (128, False), (0, True)):
-        got = run(xb, wb, emulate, k_block, direct)
+    # (direct: where rows hold whole K tiles, else the packed path runs); groups of 2, 3 and 8 column blocks
+    # per task (more than N holds, and a last group short) with rows in chunks of 32 and 64 (one chunk,
+    # several, a short last one) or all, in one pass and in several
+    for k_block, direct, n_group, m_block in ((0, False, 1, 0), (64, False, 1, 0), (128, False, 1, 0), (0, True, 1, 0),
+                                              (64, False, 3, 32), (128, False, 8, 64), (0, False, 2, 32),
+                                              (64, False, 2, 0)):
+        got = run(xb, wb, emulate, k_block, direct, n_group, m_block)
         assert got.shape == (m, n) and got.dtype == torch.float32
         assert ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= BF16_BOUND, k_block
-        assert torch.equal(run(xi, wi, emulate, k_block, direct).double(), refi), (k_block, direct)
+        got_i = run(xi, wi, emulate, k_block, direct, n_group, m_block).double()
+        assert torch.equal(got_i, refi), (k_block, direct, n_group, m_block)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -221,15 +227,16 @@ def test_r16_weights_on_amx_equal_the_row_major_ones_bitwise(fmt, native):
             rows, r16 = cpu.prepare(w, layout="rows"), cpu.prepare(w, layout="r16")
             assert r16.args[0] != rows.args[0]  # r16 taken
             x = torch.randn(m, k, generator=g)
-            for xd, k_block in itertools.product((torch.float32, torch.bfloat16), (0, 64, 128)):
+            for xd, (k_block, n_group, m_block) in itertools.product(
+                    (torch.float32, torch.bfloat16), ((0, 1, 0), (64, 1, 0), (128, 1, 0), (64, 3, 64), (128, 2, 32))):
                 if fmt == "int8" and xd == torch.bfloat16 and k_block == 128:
                     continue  # bf16 activations on INT8: covered at 0 and 64
-                kn = {**base, "cpu_amx_k_block": k_block}
+                kn = {**base, "cpu_amx_k_block": k_block, "cpu_amx_n_group": n_group, "cpu_amx_m_block": m_block}
                 want = cpu.linear(x.to(xd), rows, knobs=kn)
                 with cpu.recording() as rec:
                     got = cpu.linear(x.to(xd), r16, knobs=kn)
                 assert {tag, "r16"} <= set(rec[-1]["isa"].split("+")), rec[-1]["isa"]
-                assert torch.equal(got, want), (n, k, m, xd, k_block)
+                assert torch.equal(got, want), (n, k, m, xd, k_block, n_group, m_block)
             ref = reference.linear(x, w)
             tol = 2e-5 if fmt == "int8" else 1e-2
             assert ((cpu.linear(x, r16, knobs=base).float() - ref).norm() / ref.norm()).item() <= tol

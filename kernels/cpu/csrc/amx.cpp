@@ -336,49 +336,6 @@ at::Tensor a_tile_order(const uint8_t* a_rows, int64_t kbytes, int64_t M) {
   return tiled;
 }
 
-// Per parallel task one 32-column block of W, packed once (pack_b), then every 32-row block of A on a
-// 2 × 2 block of tiles (AMX, or its model). K goes in passes of k_block bytes (0: all of K in one): each
-// pass takes every row block over the same packed K range, which then stays in L1 (2 KiB per 64 bytes of
-// K) while A streams from L2; the sums wait in c between passes (four tile stores and loads per row block
-// and pass). c holds a 32 × 32 block as the write-backs read it (row i at c + 32i, int32 or float bits).
-template <class T, bool Int8>
-void gemm_tiles(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
-                int64_t M, int64_t k_block) {
-  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, mblocks = (M + 31) / 32;
-  const int64_t kstep = k_block > 0 ? std::max<int64_t>(1, k_block / 64) : ktiles;
-  const bool passes = kstep < ktiles;
-  const at::Tensor tiled = a_tile_order(a_rows, kbytes, M);
-  const uint8_t* a = tiled.data_ptr<uint8_t>();
-#pragma omp parallel
-  {
-    std::vector<uint8_t> bbuf(ktiles * 2 * 1024 + 64);
-    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
-    std::vector<int32_t> cbuf((passes ? mblocks : 1) * 1024 + 16);
-    int32_t* cb = cbuf.data() + ((64 - reinterpret_cast<uintptr_t>(cbuf.data()) % 64) % 64) / 4;
-    const bool fp8 = W.fmt == kFp8;  // expanded to bf16(value × block scale) as it is packed (pack_fp8_b)
-    std::vector<uint8_t> rows(fp8 ? 32 * kbytes : 0);
-    const TileConfig cfg = full_tiles();
-    T::config(&cfg);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-      if (fp8) pack_fp8_b(W, nb * 32, kbytes, rows.data(), b);
-      else pack_b(W, nb * 32, data_bytes, kbytes, b);
-      for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
-        const int64_t k1 = std::min(ktiles, k0 + kstep);
-        for (int64_t mb = 0; mb < mblocks; ++mb) {
-          int32_t* c = cb + (passes ? mb * 1024 : 0);
-          const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
-          tile_block<T, Int8>(a0, a0 + ktiles * 1024, b, k0, k1, c);
-          if (k1 < ktiles) continue;
-          if constexpr (Int8) so.put(c, 32, mb * 32, nb * 32, M, N);
-          else so.put_f32(c, 32, mb * 32, nb * 32, M, N);
-        }
-      }
-    }
-    T::release();
-  }
-}
-
 // One 32 × 32 block of C over K tiles [k0, k1) from weights in the r16 layout (kBF16R16 / kInt8R16), read
 // where they lie: a 16-row block's K tile kt (16 units of 4 bytes × the block's 16 rows, unit u of row r at
 // uint32 offset u·16 + r) is exactly a B tile, 1 KiB in one piece at b0 / b1 + kt·1 KiB (columns 0-15, then
@@ -396,48 +353,112 @@ MOETUNE_AMX void r16_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* 
   store_sums<T>(c, 128, 16, 512);
 }
 
-// The AMX GEMM on r16 weights: no packing at all (the layout is AMX's B tile layout). Per parallel task one
-// 32-column block (two 16-row blocks, each one contiguous stream), then every 32-row block of A (tile order,
-// a_tile_order), K in passes of k_block bytes as gemm_tiles'. The K tail (K·esz not a multiple of 64) is
-// copied per task into a zeroed staging pair of tiles: the weight's next block follows it in memory, and
-// garbage × 0 would be NaN for bf16. N ends in whole 16-row blocks (r16); an odd last block runs one B tile.
-template <class T, bool Int8>
-void gemm_r16(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
-              int64_t M, int64_t k_block) {
-  TORCH_CHECK(W.N % 16 == 0 && data_bytes % 4 == 0 && W.row_bytes == data_bytes, "AMX r16 GEMM: whole 16-row blocks");
+// Where the blocked nest (gemm_nest) takes a column block's B tiles from. PackedB: row-major weights (or FP8,
+// expanded to bf16 as they are packed: pack_fp8_b), each group's column blocks packed once per task by
+// pack_b into a thread's buffer (nb's K tile kt at b + (g·ktiles + kt)·2 KiB). R16B: r16 weights read where
+// they lie (the layout is AMX's B tile layout: no packing), 16-row blocks in one contiguous stream each; the
+// K tail (K·esz not a multiple of 64) is copied per column block into a zeroed staging pair of tiles: the
+// weight's next block follows it in memory, and garbage × 0 would be NaN for bf16. N ends in whole 16-row
+// blocks (r16); an odd last block runs one B tile.
+struct PackedB {
+  const WeightView& W;
+  int64_t data_bytes, kbytes, ktiles;
+  std::vector<uint8_t> buf, rows;
+  uint8_t* b;
+  PackedB(const WeightView& W_, int64_t data_bytes_, int64_t kbytes_, int64_t group)
+      : W(W_), data_bytes(data_bytes_), kbytes(kbytes_), ktiles(kbytes_ / 64), buf(group * ktiles * 2048 + 64),
+        rows(W_.fmt == kFp8 ? 32 * kbytes_ : 0) {
+    b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+  }
+  void group(int64_t nb0, int64_t count) {
+    for (int64_t g = 0; g < count; ++g) {
+      uint8_t* dst = b + g * ktiles * 2048;
+      if (W.fmt == kFp8) pack_fp8_b(W, (nb0 + g) * 32, kbytes, rows.data(), dst);
+      else pack_b(W, (nb0 + g) * 32, data_bytes, kbytes, dst);
+    }
+  }
+  template <class T, bool Int8>
+  void block(int64_t g, const uint8_t* a0, const uint8_t* a1, int64_t k0, int64_t k1, int32_t* c) {
+    tile_block<T, Int8>(a0, a1, b + g * ktiles * 2048, k0, k1, c);
+  }
+};
+
+struct R16B {
+  const WeightView& W;
+  int64_t full, tail_bytes, ktiles, block_bytes, nb0 = 0;
+  std::vector<uint8_t> buf;
+  uint8_t* tails;
+  R16B(const WeightView& W_, int64_t data_bytes, int64_t kbytes, int64_t group)
+      : W(W_), full(data_bytes / 64), tail_bytes((data_bytes - 64 * (data_bytes / 64)) * 16), ktiles(kbytes / 64),
+        block_bytes(16 * W_.row_bytes), buf(full < ktiles ? group * 2048 + 64 : 64) {
+    TORCH_CHECK(W.N % 16 == 0 && data_bytes % 4 == 0 && W.row_bytes == data_bytes, "AMX r16 GEMM: whole 16-row blocks");
+    tails = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+  }
+  bool two(int64_t nb) const { return nb * 32 + 16 < W.N; }
+  const uint8_t* b0(int64_t nb) const { return W.w + 2 * nb * block_bytes; }
+  void group(int64_t nb0_, int64_t count) {
+    nb0 = nb0_;
+    if (full >= ktiles) return;
+    for (int64_t g = 0; g < count; ++g) {
+      uint8_t* tail = tails + g * 2048;
+      std::memset(tail, 0, 2048);
+      std::memcpy(tail, b0(nb0 + g) + full * 1024, tail_bytes);
+      if (two(nb0 + g)) std::memcpy(tail + 1024, b0(nb0 + g) + block_bytes + full * 1024, tail_bytes);
+    }
+  }
+  template <class T, bool Int8>
+  void block(int64_t g, const uint8_t* a0, const uint8_t* a1, int64_t k0, int64_t k1, int32_t* c) {
+    const int64_t nb = nb0 + g;
+    const uint8_t* p = b0(nb);
+    r16_block<T, Int8>(a0, a1, p, two(nb) ? p + block_bytes : p, two(nb), tails + g * 2048, full, k0, k1, c);
+  }
+};
+
+// The AMX GEMM's loop nest over A in tile order (a_tile_order) and B from Src (PackedB / R16B). Per parallel
+// task a group of cpu_amx_n_group 32-column blocks (fewer where the groups would leave a thread without
+// one), then the rows in chunks of cpu_amx_m_block (0: all), K in passes of cpu_amx_k_block bytes (0: all
+// of K in one pass, the sums kept in tiles), and within a pass each column block of the group against every
+// 32-row block of the chunk on the 2 × 2 tiles (AMX, or its model). A column block's K range for the pass
+// (2 KiB per 64 bytes) stays in L1 while the chunk's row blocks stream past it, and a row block's A range
+// serves the group's column blocks from L2; the partial sums wait in a thread's buffer between passes (four
+// tile stores and loads per block and pass). With group 1, one chunk and one pass, this is a column block
+// packed once and every row block over all of K. c holds a 32 × 32 block as the write-backs read it (row i at
+// c + 32i, int32 or float bits).
+template <class T, bool Int8, class Src>
+void gemm_nest(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
+               int64_t M, const AmxOpts& ao) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, mblocks = (M + 31) / 32;
-  const int64_t full = data_bytes / 64, tail_bytes = (data_bytes - 64 * full) * 16;  // per block
-  const int64_t kstep = k_block > 0 ? std::max<int64_t>(1, k_block / 64) : ktiles;
+  const int64_t kstep = ao.k_block > 0 ? std::max<int64_t>(1, ao.k_block / 64) : ktiles;
+  const int64_t mstep = ao.m_block > 0 ? std::min(mblocks, std::max<int64_t>(1, ao.m_block / 32)) : mblocks;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(ao.n_group, nblocks / std::max(1, omp_get_max_threads())));
+  const int64_t groups = (nblocks + group - 1) / group;
   const bool passes = kstep < ktiles;
   const at::Tensor tiled = a_tile_order(a_rows, kbytes, M);
   const uint8_t* a = tiled.data_ptr<uint8_t>();
-  const int64_t block = 16 * W.row_bytes;
 #pragma omp parallel
   {
-    alignas(64) uint8_t tail[2048];
-    std::vector<int32_t> cbuf((passes ? mblocks : 1) * 1024 + 16);
+    Src src(W, data_bytes, kbytes, group);
+    std::vector<int32_t> cbuf((passes ? group * mstep : 1) * 1024 + 16);
     int32_t* cb = cbuf.data() + ((64 - reinterpret_cast<uintptr_t>(cbuf.data()) % 64) % 64) / 4;
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-      const bool two = nb * 32 + 16 < N;
-      const uint8_t* b0 = W.w + 2 * nb * block;
-      const uint8_t* b1 = two ? b0 + block : b0;
-      if (full < ktiles) {
-        std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail, b0 + full * 1024, tail_bytes);
-        if (two) std::memcpy(tail + 1024, b1 + full * 1024, tail_bytes);
-      }
-      for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
-        const int64_t k1 = std::min(ktiles, k0 + kstep);
-        for (int64_t mb = 0; mb < mblocks; ++mb) {
-          int32_t* c = cb + (passes ? mb * 1024 : 0);
-          const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
-          r16_block<T, Int8>(a0, a0 + ktiles * 1024, b0, b1, two, tail, full, k0, k1, c);
-          if (k1 < ktiles) continue;
-          if constexpr (Int8) so.put(c, 32, mb * 32, nb * 32, M, N);
-          else so.put_f32(c, 32, mb * 32, nb * 32, M, N);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t nb0 = gi * group, count = std::min(group, nblocks - nb0);
+      src.group(nb0, count);
+      for (int64_t m0 = 0; m0 < mblocks; m0 += mstep) {
+        const int64_t m1 = std::min(mblocks, m0 + mstep);
+        for (int64_t k0 = 0; k0 < ktiles; k0 += kstep) {
+          const int64_t k1 = std::min(ktiles, k0 + kstep);
+          for (int64_t g = 0; g < count; ++g)
+            for (int64_t mb = m0; mb < m1; ++mb) {
+              int32_t* c = cb + (passes ? (g * mstep + (mb - m0)) * 1024 : 0);
+              const uint8_t* a0 = a + 2 * mb * ktiles * 1024;
+              src.template block<T, Int8>(g, a0, a0 + ktiles * 1024, k0, k1, c);
+              if (k1 < ktiles) continue;
+              if constexpr (Int8) so.put(c, 32, mb * 32, (nb0 + g) * 32, M, N);
+              else so.put_f32(c, 32, mb * 32, (nb0 + g) * 32, M, N);
+            }
         }
       }
     }
@@ -531,9 +552,9 @@ void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_
               int64_t M, const AmxOpts& ao) {
   if (is_r16(W.fmt)) {
     note_used(kUsedR16);  // the layout, beside the engine
-    gemm_r16<T, Int8>(a_rows, kbytes, W, data_bytes, so, M, ao.k_block);
+    gemm_nest<T, Int8, R16B>(a_rows, kbytes, W, data_bytes, so, M, ao);
   } else if (M <= ao.direct_max && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
-  else gemm_tiles<T, Int8>(a_rows, kbytes, W, data_bytes, so, M, ao.k_block);
+  else gemm_nest<T, Int8, PackedB>(a_rows, kbytes, W, data_bytes, so, M, ao);
 }
 
 // The dot-product engine (dot_block_*): 8 rows at a time; the models run under MXCSR.DAZ|FTZ.
@@ -919,7 +940,7 @@ double amx_peak_gops(int64_t iters, bool int8) {
 // AMX's K pass, 0 = whole K; direct: AMX reads the weight rows in place); INT8 row sums computed here for
 // the dot-product engine.
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                           int64_t engine, int64_t k_block, bool direct) {
+                           int64_t engine, int64_t k_block, bool direct, int64_t n_group, int64_t m_block) {
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == K && x_act.scalar_type() == at::kFloat, "x_act: float32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K, "w: contiguous [N, K]");
   WeightView W;
@@ -936,13 +957,13 @@ at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tenso
       for (int64_t k = 0; k < K; ++k) sums[n] += p[n * K + k];
     W.wsum = sums.data();
   }
-  return gemm_tiles_run(x_act, W, (int)engine, AmxOpts{k_block, direct ? INT64_MAX : 0, 0});
+  return gemm_tiles_run(x_act, W, (int)engine, AmxOpts{k_block, direct ? INT64_MAX : 0, 0, n_group, m_block});
 }
 
 // the same on AMX or its emulation (tests/test_amx.py)
 at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                          bool emulate, int64_t k_block, bool direct) {
-  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx, k_block, direct);
+                          bool emulate, int64_t k_block, bool direct, int64_t n_group, int64_t m_block) {
+  return tile_linear_raw(x_act, fmt, w, N, K, emulate ? kTilesAmxModel : kTilesAmx, k_block, direct, n_group, m_block);
 }
 
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on

@@ -15,7 +15,7 @@ double int16_madd_gops(int64_t iters);
 at::Tensor huge_empty(int64_t nbytes);
 std::string amx_status();
 at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                          bool emulate, int64_t k_block, bool direct);
+                          bool emulate, int64_t k_block, bool direct, int64_t n_group, int64_t m_block);
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, const at::Tensor& cache, const at::Tensor& rows,
                        const at::Tensor& slots, const Knobs& knobs);
@@ -27,7 +27,7 @@ double vnni_int8_gops(int64_t iters);
 double bf16_dot_gflops(int64_t iters);
 double amx_peak_gops(int64_t iters, bool int8);
 at::Tensor tile_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
-                           int64_t engine, int64_t k_block, bool direct);
+                           int64_t engine, int64_t k_block, bool direct, int64_t n_group, int64_t m_block);
 void bind_runner(pybind11::module_& m);  // runner.cpp: the decode-layer runner (graph_mode=cpp)
 }  // namespace moetune
 
@@ -108,6 +108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("amx_min_tokens", &Knobs::amx_min_tokens)
       .def_readwrite("amx_k_block", &Knobs::amx_k_block)
       .def_readwrite("amx_direct_max_tokens", &Knobs::amx_direct_max_tokens)
+      .def_readwrite("amx_n_group", &Knobs::amx_n_group)
+      .def_readwrite("amx_m_block", &Knobs::amx_m_block)
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)
       .def_readwrite("bf16_gemm_min_tokens", &Knobs::bf16_gemm_min_tokens)
       .def_readwrite("r16_onednn_min_tokens", &Knobs::r16_onednn_min_tokens)
@@ -175,13 +177,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_status", &moetune::amx_status, "why AMX tiles cannot run here; empty when they can");
   m.def("amx_linear_raw", &moetune::amx_linear_raw,
         "x_act float32 [M, K] · w[N, K]ᵀ (bf16 or int8 bytes) on AMX tiles, or their C++ emulation; raw products; "
-        "k_block: bytes of K per pass (0: all of K); direct: the weight rows read as tiles in place (no packing)",
+        "k_block: bytes of K per pass (0: all of K); direct: the weight rows read as tiles in place (no packing); "
+        "n_group: 32-column blocks per task; m_block: rows per chunk (0: all)",
         py::arg("x_act"), py::arg("fmt"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("emulate"),
-        py::arg("k_block") = 0, py::arg("direct") = false);
+        py::arg("k_block") = 0, py::arg("direct") = false, py::arg("n_group") = 1, py::arg("m_block") = 0);
   m.def("tile_linear_raw", &moetune::tile_linear_raw,
         "amx_linear_raw on a tile engine: 0 AMX, 1 its model, 2 AVX-512 dot-product tiles, 3 their model",
         py::arg("x_act"), py::arg("fmt"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("engine"),
-        py::arg("k_block") = 0, py::arg("direct") = false);
+        py::arg("k_block") = 0, py::arg("direct") = false, py::arg("n_group") = 1, py::arg("m_block") = 0);
   moetune::bind_runner(m);
   m.def("huge_empty", &moetune::huge_empty, "uninitialized uint8 [nbytes], 2 MiB aligned, advised for huge pages");
 }

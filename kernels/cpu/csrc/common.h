@@ -172,6 +172,8 @@ struct Knobs {
   int64_t task_chunk = 0;        // consecutive parallel tasks a thread takes at once
   int64_t amx_min_tokens = 0;    // from this many rows, BF16/INT8 GEMMs run on AMX tiles where present
   int64_t amx_k_block = -1;      // AMX GEMM: bytes of K per pass of every row block over a packed weight block (0: all)
+  int64_t amx_n_group = -1;      // AMX GEMM: 32-column weight blocks per parallel task (the K passes' group)
+  int64_t amx_m_block = -1;      // AMX GEMM: activation rows per chunk of the nest (0: all)
   int64_t amx_direct_max_tokens = -1;  // AMX GEMM: up to this many rows, weight rows read as tiles in place
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it

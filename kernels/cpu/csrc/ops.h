@@ -102,9 +102,11 @@ inline unsigned amx_used(int engine) { return engine == kTilesAmx ? kUsedAmx : k
 // all of K at once); up to direct_max rows, the weight rows read as tiles where they lie, no packing, each
 // row prefetched `prefetch` bytes ahead (0: none).
 struct AmxOpts {
-  int64_t k_block = 0, direct_max = 0, prefetch = 0;
+  int64_t k_block = 0, direct_max = 0, prefetch = 0, n_group = 1, m_block = 0;
 };
-inline AmxOpts amx_opts(const Knobs& kn) { return {kn.amx_k_block, kn.amx_direct_max_tokens, kn.prefetch_ahead}; }
+inline AmxOpts amx_opts(const Knobs& kn) {
+  return {kn.amx_k_block, kn.amx_direct_max_tokens, kn.prefetch_ahead, kn.amx_n_group, kn.amx_m_block};
+}
 // x_act [M, K] (float32: INT8's quantized integers, or BF16 weights' activations, rounded to bf16;
 // bfloat16: BF16 weights only) · Wᵀ on a tile engine → [M, N] float32 (INT8: the integer sums), or
 // bfloat16 (bf16_out, BF16 weights).
