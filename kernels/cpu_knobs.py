@@ -117,7 +117,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "contiguous line per 16 rows per step and multiplies each token's pair broadcast into 16-row "
          "accumulators, no horizontal sums; every token count runs on it, except on AMX CPUs from "
          "cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles). auto: r16 where the CPU "
-         "has no AMX (r16 against rows not yet measured on AMX) and runs AVX512-BF16 or the AVX-512 build (float32 "
+         "has no AMX (on an AMX VM, `small`: x0.99 / x1.03 / x0.94 rows' speed at 1 / 16 / 128 tokens) and runs AVX512-BF16 or the AVX-512 build (float32 "
          "FMAs on the pair's halves without AVX512-BF16: on an Emerald Rapids VM, AVX512-BF16 and AMX hidden, "
          "x1.00 / x1.13 / x1.58 / x1.45 rows' speed at 1 / 16 / 128 / 512 tokens, `small`), else rows. A stack "
          "whose rows are not a multiple of 32 (gate|up: of 16 per half) or whose K is odd stays rows",
@@ -130,7 +130,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "x1.21 at 512 against rows' unpack + BLAS). A weight whose rows are not a multiple of 16 or whose K is "
          "odd stays rows. "
          "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
-         "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1",
+         "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1. AMX VM, [11264, 2048]: x0.97 / "
+         "x1.00 / x0.92 / x1.06 / x1.22 / x1.09 at 1 / 4 / 16 / 64 / 128 / 512 tokens (rows kept: mixed)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_expert_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT8 expert stacks (fused MoE), chosen at load: rows (row-major, as the checkpoint) or r16 "
@@ -138,13 +139,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "reads one contiguous line per 16 rows per step and multiplies each token's 4 activation bytes, broadcast, "
          "into 16-row int32 accumulators on vpdpbusd, or vpmaddubsw without VNNI; every token count on it except on "
          "AMX CPUs from cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles; the same result "
-         "bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (r16 against rows not yet measured on "
-         "AMX), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
+         "bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (on an AMX VM, `small`: x0.88 / x1.02 / "
+         "x0.82 rows' speed at 1 / 16 / 128 tokens), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
          "multiple of 4 stays rows",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_linear_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT8 linears, chosen at load: rows, or r16 (as cpu_int8_expert_layout; rows a multiple of "
-         "16, K of 4); auto: r16 where the CPU has AVX512-VNNI and no AMX",
+         "16, K of 4); auto: r16 where the CPU has AVX512-VNNI and no AMX (on an AMX VM, [11264, 2048], one process "
+         "alternating: x1.10 / x1.09 / x0.85 / x1.02 / x1.05 / x1.07 rows' speed at 1 / 4 / 16 / 64 / 128 / 512 tokens; "
+         "16 to 64 tokens run rows on AMX's weights-in-place path, which r16 lacks)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int4_expert_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT4 expert stacks of groups of 128 (fused MoE), chosen at load: rows, or r16 (each 16 rows' "
@@ -359,9 +362,11 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "activations rounded to bf16 with a bf16 output (onednn), or our tile GEMM on vdpbf16ps over the same "
          "bf16 values, expanded per 32-row block as it is packed (avx512bf16; needs AVX512-BF16, else unpack), or "
          "the same packing into AMX tiles from cpu_amx_min_tokens rows (amx; needs AMX, else unpack; measured "
-         "on an AMX VM: fused MoE at 12-16 tokens per expert x0.72-0.76 auto's vdpbf16ps microkernels, so not auto's); auto, "
-         "for activations that are bf16 already: onednn where the CPU has AMX, avx512bf16 where it has "
-         "AVX512-BF16, else unpack (float32 activations: unpack)",
+         "on an AMX VM: linear [11264, 2048] / [32000, 2048] x1.72-1.83 onednn at 128 tokens, x1.49-1.56 at 512); "
+         "auto, for activations that are bf16 already: amx where the CPU has AMX (avx512bf16 below "
+         "cpu_amx_min_tokens), avx512bf16 where it has AVX512-BF16, else unpack (float32 activations: unpack). "
+         "FP8 takes the GEMM path from cpu_gemm_min_tokens rows only (fused MoE at 12-16 tokens per expert stays on "
+         "the microkernels: AMX there measured x0.72-0.76 of them)",
          choices=("auto", "unpack", "onednn", "avx512bf16", "amx")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "

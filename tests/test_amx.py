@@ -164,7 +164,7 @@ def test_int8_amx_equals_the_vnni_gemm_bitwise_and_auto_takes_it(native):
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
-    """cpu_fp8_gemm=amx (by name; auto keeps oneDNN on AMX CPUs): each 32-row block of the FP8
+    """cpu_fp8_gemm=amx (auto's choice for bf16 activations on AMX CPUs): each 32-row block of the FP8
     weight expanded to bf16(value × block scale) as it is packed, then TDPBF16PS, the products the
     avx512bf16 FP8 GEMM makes: within 1e-5 of it (summation order), within the bf16 bound of the
     reference; linear (odd shape, N and K tails) and fused MoE."""

@@ -232,8 +232,8 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     cpu.linear(torch.randn(40, 256, generator=g).to(dtype), weights["fp8"],
                                knobs={"cpu_fp8_gemm": fp8_gemm, "cpu_gemm_min_tokens": 32})
                 auto_bf16 = fp8_gemm == "auto" and dtype == torch.bfloat16
-                amx = fp8_gemm == "amx" and "amx" in mask & HAS  # by name only
-                onednn = fp8_gemm == "onednn" or (auto_bf16 and "amx" in mask & HAS)
+                amx = (fp8_gemm == "amx" or auto_bf16) and "amx" in mask & HAS  # auto: bf16 activations only
+                onednn = fp8_gemm == "onednn"
                 dot = (fp8_gemm == "avx512bf16" or auto_bf16) and "avx512_bf16" in mask & HAS
                 want = "amx" if amx else "onednn" if onednn else "avx512bf16" if dot else UNPACK
                 assert rec[0]["isa"] == want, (mask, fp8_gemm, dtype, rec[0]["isa"])
@@ -738,8 +738,11 @@ def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
     check(got, reference.linear(x.bfloat16(), w), BF16_LINEAR, f"fp8 onednn {shape}")
     check(forced, reference.linear(x, w), BF16_LINEAR, f"fp8 onednn {shape} float32 activations")
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
-    auto = "onednn" if "amx" in HAS else "avx512bf16" if "avx512_bf16" in HAS else UNPACK
+    auto = "avx512bf16" if "avx512_bf16" in HAS else UNPACK  # AMX off here (MICRO: cpu_amx_min_tokens 4096)
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
+    amx = {"cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 32}  # auto takes AMX first where it runs
+    assert run_linear(x.bfloat16(), w, amx)[1] == ("amx" if "amx" in HAS else auto)
+    assert run_linear(x, w, amx)[1] == UNPACK
     assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == UNPACK  # float32 activations: not rounded by auto
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == UNPACK
     with cpu.feature_mask(set()):

@@ -323,7 +323,8 @@ def _r16_auto(knob: str) -> str:
     have = features()
     if knob.startswith("cpu_int4_"):  # no AMX form of INT4: r16 wherever VNNI runs
         return "r16" if "avx512_vnni" in have else "rows"
-    if "amx" in have:  # AMX's GEMM reads BF16 / INT8 r16 blocks too, but r16 is not yet measured against rows there
+    if "amx" in have:  # AMX's GEMM reads BF16 / INT8 r16 blocks too; measured against rows on an AMX VM: mixed
+        # (x0.82-1.22 by token count, cpu_*_layout's help), so rows, whose 16-64 token path reads weights in place
         return "rows"
     if knob.startswith("cpu_int8_"):
         return "r16" if "avx512_vnni" in have else "rows"
@@ -336,8 +337,8 @@ def _r16_auto(knob: str) -> str:
 
 def bf16_expert_layout() -> str:
     """What cpu_bf16_expert_layout resolves to here: auto is r16 where AMX does not run and dispatch may use
-    AVX512-BF16 or the AVX-512 build's float32 FMAs, else rows (AMX's GEMM reads r16 blocks too, but r16 against
-    rows is not yet measured on an AMX CPU)."""
+    AVX512-BF16 or the AVX-512 build's float32 FMAs, else rows (AMX's GEMM reads r16 blocks too, but r16 measured
+    mixed against rows on an AMX CPU)."""
     return _r16_auto("cpu_bf16_expert_layout")
 
 

@@ -344,15 +344,20 @@ struct Loader<kFp8> {
 inline void fp8_row_bf16(const WeightView& W, int64_t r, uint16_t* dst) {
   const uint8_t* src = W.w + r * W.row_bytes;
   const float* srow = W.scale + (r / W.block_n) * W.scale_ld;
-  alignas(64) float tmp[32];
+  // rounded in registers and stored whole (a masked vpmovdw to memory costs several cycles), masked at K's tail
   for (int64_t k = 0; k < W.K; k += 32) {
     const int64_t m = std::min<int64_t>(32, W.K - k);
     __m512 a, c;
     Loader<kFp8>::load(W, src, k, m, a, c);
     const __m512 s = _mm512_set1_ps(srow[k / W.group]);
-    _mm512_store_ps(tmp, _mm512_mul_ps(a, s));
-    _mm512_store_ps(tmp + 16, _mm512_mul_ps(c, s));
-    to_bf16(tmp, m, dst + k);
+    const __m256i lo = bf16x16(_mm512_mul_ps(a, s)), hi = bf16x16(_mm512_mul_ps(c, s));
+    if (m == 32) {
+      _mm256_storeu_si256((__m256i*)(dst + k), lo);
+      _mm256_storeu_si256((__m256i*)(dst + k + 16), hi);
+    } else {
+      _mm256_mask_storeu_epi16(dst + k, tail_mask16(m), lo);
+      if (m > 16) _mm256_mask_storeu_epi16(dst + k + 16, tail_mask16(m - 16), hi);
+    }
   }
 }
 

@@ -72,23 +72,22 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
   return act_bf16 && (usable_features() & (kFeatBf16 | kFeatAmx));
 }
 
-// auto: oneDNN where the CPU has AMX (it runs its AMX kernels; ours has no FP8 form), our BF16 tile GEMM
-// where it has AVX512-BF16 only (gemm_dot_engine; 1.1-1.3x oneDNN on the dequantized weight on a Zen 4
-// VM, docs/cpu_kernels.md), and only for activations that are bf16 already
-bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16) {
-  if (kn.fp8_gemm != kFp8GemmAuto) return kn.fp8_gemm == kFp8GemmOnednn;
-  return act_bf16 && (usable_features() & kFeatAmx);
-}
+// FP8 auto, for activations that are bf16 already: our AMX GEMM where the CPU has AMX (amx_engine, from
+// amx_min_tokens rows; the weight expanded to bf16 as it is packed: 1.5-1.9x oneDNN on the dequantized weight
+// at 128-512 tokens on an AMX VM, docs/cpu_kernels.md "Session 38"), else our BF16 tile GEMM where it has
+// AVX512-BF16 (gemm_dot_engine; 1.1-1.3x oneDNN on a Zen 4 VM). oneDNN by name only.
+bool fp8_gemm_onednn(const Knobs& kn, bool) { return kn.fp8_gemm == kFp8GemmOnednn; }
 
 // INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
-// AMX (gemm_dot_engine); BF16 auto: AMX for bf16 activations (float32 ones are not rounded by auto); FP8: AMX by
-// name only (its blocks are expanded as they are packed: slower than auto's paths where measured, docs/cpu_kernels.md).
-// BF16 and INT8 r16 weights as their row-major formats (gemm_r16 reads their blocks as B tiles in place).
+// AMX (gemm_dot_engine); BF16 and FP8 auto: AMX for bf16 activations (float32 ones are not rounded by auto; FP8's
+// blocks are expanded to bf16 as they are packed, and FP8 reaches the GEMM path only from cpu_gemm_min_tokens rows,
+// where the microkernels stop). BF16 and INT8 r16 weights as their row-major formats (gemm_nest's R16B reads their
+// blocks as B tiles in place).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   const int fmt = W.fmt == kBF16R16 || W.fmt == kInt8R16 ? rows_format(W.fmt) : W.fmt;
   const bool want = (fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
                     (fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16))) ||
-                    (W.fmt == kFp8 && kn.fp8_gemm == kFp8GemmAmx);
+                    (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmAmx || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16)));
   if (!want || M < kn.amx_min_tokens) return -1;
   return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;
 }
@@ -102,7 +101,8 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   if (W.fmt == kInt8 && kn.int8_gemm == kInt8GemmMaddubs) return kTilesMaddubs;
   if (W.fmt == kInt8 && W.wsum && vnni) feat = kFeatVnni;
   if (W.fmt == kBF16 && kn.bf16_gemm == kBf16GemmDot) feat = kFeatBf16;
-  if (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmDot || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16 && !(have & kFeatAmx))))
+  // FP8 auto: here below amx_min_tokens rows on an AMX CPU (amx_engine first), or without AMX
+  if (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmDot || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16)))
     feat = kFeatBf16;
   // INT4 (amx.cpp gemm_int4): AMX has no INT4 form, so auto takes VNNI wherever the CPU has it
   if (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmMaddubs) return kTilesMaddubs;
