@@ -309,27 +309,29 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "tiles where they lie, each once from memory, and the activations are packed instead (no weight "
          "packing, which costs a pass over the weight for rows it barely serves); from more rows, 32-row "
          "weight blocks are packed once and serve every row block (0: always packed)", low=0, high=4096),
-    Knob("cpu_amx_n_group", int, 8, "kernels/cpu",
+    Knob("cpu_amx_n_group", int, 4, "kernels/cpu",
          "CPU AMX GEMM (packed or r16 weights, from cpu_amx_direct_max_tokens rows): 32-column weight blocks per "
          "parallel task; within each K pass (cpu_amx_k_block) every block of the group meets every 32-row block of "
          "the row chunk (cpu_amx_m_block), so a row block's K range serves the group from L2 while a column block's "
          "stays in L1 (fewer where the groups would leave a thread without one). Measured on an AMX VM (Xeon, "
-         "family 6 model 167 as KVM reports it, 2 threads), 512 tokens, with cpu_amx_k_block 512 against the one-block "
-         "nest (1, all of K): [11264, 2048] BF16 x1.16, INT8 x1.14; [2048, 5632] BF16 x1.42, INT8 x1.31; "
-         "[32000, 2048] BF16 x1.17", low=1, high=64, log=True),
+         "family 6 model 167 as KVM reports it, 2 threads; suites.moe_ab --linear, weights from DRAM, rows layout), "
+         "4 with cpu_amx_k_block / cpu_amx_m_block 512 against the one-block nest (1, 0, 0): [2048, 5632] at 512 "
+         "tokens BF16 x1.24, INT8 x1.13; [11264, 2048] x1.02 at 512, x1.03 at 128 (8 there: x0.87-0.91, the group's "
+         "packing bursts), BF16 x1.12 / INT8 x1.22 at 2048", low=1, high=64, log=True),
     Knob("cpu_amx_m_block", int, 512, "kernels/cpu",
          "CPU AMX GEMM: activation rows per chunk of the loop nest (a multiple of 32; 0: all rows in one): the "
          "partial sums of a column group (cpu_amx_n_group) wait for the next K pass in a buffer of 4 KiB per 32 "
-         "rows per column block, and a chunk's A range stays in L2 (the AMX VM, [11264, 2048] at 2048 tokens, groups of 8, "
-         "K passes of 512: 64 / 128 / 256 rows x1.27 / x1.25 / x1.21 the one-block nest, BF16; INT8 x1.38 / x1.35 / "
-         "x1.34)", choices=(0, 64, 128, 256, 512, 1024, 2048)),
+         "rows per column block, and a chunk's A range stays in L2 (the AMX VM, [11264, 2048] at 2048 tokens, one weight "
+         "warm in L3, groups of 8, K passes of 512: 64 / 128 / 256 rows x1.27 / x1.25 / x1.21 the one-block nest, BF16; "
+         "INT8 x1.38 / x1.35 / x1.34)", choices=(0, 64, 128, 256, 512, 1024, 2048)),
     Knob("cpu_amx_k_block", int, 512, "kernels/cpu",
          "CPU AMX GEMM: bytes of K per pass of every 32-row block of activations over one packed 32-column "
          "weight block, the block's K range staying in L1 for the pass (2 KiB per 64 bytes) while the "
          "partial sums wait in memory between passes (0: all of K in one pass, the sums kept in tiles). "
          "Measured on an AMX VM (Xeon, family 6 model 167 as KVM reports it), [11264, 2048] at 512 tokens: "
          "alone (one column block per task) 0 / 512 / 1024 within 5 % of each other, INT8 and BF16; with groups "
-         "of 8 column blocks (cpu_amx_n_group) 256 / 512 / 1024 x1.05 / x1.10 / x1.03 the one-block nest, BF16",
+         "of 8 column blocks (cpu_amx_n_group), one weight warm in L3, 256 / 512 / 1024 x1.05 / x1.10 / x1.03 the "
+         "one-block nest, BF16",
          choices=(0, 256, 512, 1024, 2048, 4096)),
     Knob("cpu_int8_isa", str, "auto", "kernels/cpu",
          "CPU INT8 weights and the INT4 int8 method, microkernels: the dot-product instruction; vnni: "
