@@ -370,6 +370,7 @@ struct PackedB {
         rows(W_.fmt == kFp8 ? 32 * kbytes_ : 0) {
     b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
   }
+  static void check(const WeightView&, int64_t) {}
   void group(int64_t nb0, int64_t count) {
     for (int64_t g = 0; g < count; ++g) {
       uint8_t* dst = b + g * ktiles * 2048;
@@ -391,8 +392,11 @@ struct R16B {
   R16B(const WeightView& W_, int64_t data_bytes, int64_t kbytes, int64_t group)
       : W(W_), full(data_bytes / 64), tail_bytes((data_bytes - 64 * (data_bytes / 64)) * 16), ktiles(kbytes / 64),
         block_bytes(16 * W_.row_bytes), buf(full < ktiles ? group * 2048 + 64 : 64) {
-    TORCH_CHECK(W.N % 16 == 0 && data_bytes % 4 == 0 && W.row_bytes == data_bytes, "AMX r16 GEMM: whole 16-row blocks");
     tails = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+  }
+  // before the parallel region (an exception must not leave an OpenMP thread)
+  static void check(const WeightView& W, int64_t data_bytes) {
+    TORCH_CHECK(W.N % 16 == 0 && data_bytes % 4 == 0 && W.row_bytes == data_bytes, "AMX r16 GEMM: whole 16-row blocks");
   }
   bool two(int64_t nb) const { return nb * 32 + 16 < W.N; }
   const uint8_t* b0(int64_t nb) const { return W.w + 2 * nb * block_bytes; }
@@ -433,6 +437,7 @@ void gemm_nest(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(ao.n_group, nblocks / std::max(1, omp_get_max_threads())));
   const int64_t groups = (nblocks + group - 1) / group;
   const bool passes = kstep < ktiles;
+  Src::check(W, data_bytes);
   const at::Tensor tiled = a_tile_order(a_rows, kbytes, M);
   const uint8_t* a = tiled.data_ptr<uint8_t>();
 #pragma omp parallel
