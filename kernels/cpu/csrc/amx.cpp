@@ -9,7 +9,8 @@
 // and K are zero-padded to whole tiles. The packing is per call, like the unpack + BLAS path's, so it
 // pays off from a few dozen rows on; the engine chooses AMX from `cpu_amx_min_tokens` rows. Weights in
 // the r16 layout (kBF16R16 / kInt8R16) need no packing: each 16-row block's K tile of 64 bytes per row is
-// already a B tile, 1 KiB in one piece (gemm_r16).
+// already a B tile, 1 KiB in one piece (R16B). Both go through one loop nest (gemm_nest): groups of
+// column blocks, chunks of rows and passes over K, the knobs cpu_amx_n_group / _m_block / _k_block.
 //
 // The same kernel is instantiated twice: on the tile instructions (compiled here with a function
 // target attribute, executed only where cpuid reports AMX and Linux grants the tile state), and on a
@@ -550,8 +551,8 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
   }
 }
 
-// The AMX GEMM: r16 weights where they lie (gemm_r16); row-major ones in place up to ao.direct_max rows
-// (where the rows hold whole K tiles), else packed weight blocks (gemm_tiles).
+// The AMX GEMM: r16 weights where they lie (gemm_nest on R16B); row-major ones in place up to ao.direct_max
+// rows (where the rows hold whole K tiles), else packed weight blocks (gemm_nest on PackedB).
 template <class T, bool Int8>
 void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
               int64_t M, const AmxOpts& ao) {
@@ -776,7 +777,7 @@ const std::string& amx_unavailable() {
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32; BF16: rounded to bf16 here) or
 // bfloat16 (BF16 weights: the rows as they are) · Wᵀ → [M, N] float32 (INT8: the integer sums, the caller
 // applies the scales), or bfloat16 (bf16_out, BF16 weights), on one tile engine: the AMX tiles or their
-// emulation (k_block: gemm_tiles' K pass), or the AVX-512 dot-product engine (gemm_dot, on the instructions
+// emulation (k_block: gemm_nest's K pass), or the AVX-512 dot-product engine (gemm_dot, on the instructions
 // or their models; INT8 needs W.wsum).
 at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
   const bool int8 = W.fmt == kInt8 || W.fmt == kInt8R16, dot = engine == kTilesDot || engine == kTilesDotModel;

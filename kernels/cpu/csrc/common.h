@@ -34,13 +34,13 @@ enum Format : int {
   // r16): every block of 16 rows
   // keeps the bytes those rows held, as [K/2][16] 32-bit bf16 pairs (pair p of the block's row r at
   // uint32 offset p·16 + r). N % 16 == 0, K even. Read by the r16 sweep (micro_r16.cpp), by AMX's GEMM, whose
-  // B tiles the blocks' K tiles are (gemm_r16), and by oneDNN on rows restored block by block (gemm_r16_onednn).
+  // B tiles the blocks' K tiles are (gemm_nest's R16B), and by oneDNN on rows restored block by block (gemm_r16_onednn).
   kBF16R16 = 19,
   // kInt8R16: an INT8 expert stack or linear in the same block form (knobs cpu_int8_expert_layout /
   // _linear_layout = r16): every block of 16 rows as [K/4][16] 32-bit units of 4 int8 weights (unit u of the
   // block's row r at uint32 offset u·16 + r), the per-row scales and Σw as for kInt8. N % 16 == 0, K % 4 == 0.
   // Read by the r16 sweep, on vpdpbusd, its C++ model, or vpmaddubsw with the sign trick, and by AMX's GEMM
-  // (gemm_r16, TDPBSSD on the blocks as B tiles).
+  // (gemm_nest's R16B, TDPBSSD on the blocks as B tiles).
   kInt8R16 = 20,
   // kInt4R16: an INT4 weight of groups of 128 in the same block form (knobs cpu_int4_expert_layout / _linear_layout
   // = r16): a row's packed bytes (kInt4's nibble order) interleaved by 4-byte unit as kInt8R16's, so each group is

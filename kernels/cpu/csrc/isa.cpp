@@ -76,7 +76,7 @@ bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16) {
 // amx_min_tokens rows; the weight expanded to bf16 as it is packed: 1.5-1.9x oneDNN on the dequantized weight
 // at 128-512 tokens on an AMX VM, docs/cpu_kernels.md "Session 38"), else our BF16 tile GEMM where it has
 // AVX512-BF16 (gemm_dot_engine; 1.1-1.3x oneDNN on a Zen 4 VM). oneDNN by name only.
-bool fp8_gemm_onednn(const Knobs& kn, bool) { return kn.fp8_gemm == kFp8GemmOnednn; }
+bool fp8_gemm_onednn(const Knobs& kn) { return kn.fp8_gemm == kFp8GemmOnednn; }
 
 // INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
 // AMX (gemm_dot_engine); BF16 and FP8 auto: AMX for bf16 activations (float32 ones are not rounded by auto; FP8's

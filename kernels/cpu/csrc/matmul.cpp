@@ -796,7 +796,7 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
     note_used(kUsedOnednn);
     return at::linear(x_act.to(at::kBFloat16), bf16_weight(W)).to(at::kFloat);
   }
-  if (W.fmt == kFp8 && fp8_gemm_onednn(kn, W.act_bf16)) {  // the same on the weight dequantized to bf16
+  if (W.fmt == kFp8 && fp8_gemm_onednn(kn)) {  // the same on the weight dequantized to bf16
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x_act.to(at::kBFloat16), W, kn, at::kFloat);
   }
@@ -835,7 +835,7 @@ static at::Tensor gemm_input(const PreparedAct& p, int64_t K) {
 }
 
 int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M) {
-  if (W.fmt != kInt8 && W.fmt != kInt8R16) return -1;  // r16: AMX only (gemm_r16)
+  if (W.fmt != kInt8 && W.fmt != kInt8R16) return -1;  // r16: AMX only (gemm_nest's R16B)
   const int amx = amx_engine(W, kn, M), engine = amx >= 0 ? amx : W.fmt == kInt8 ? gemm_dot_engine(W, kn) : -1;
   if (engine < 0) return -1;
   note_used(amx >= 0                   ? amx_used(amx)
@@ -872,7 +872,7 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     note_used(kUsedOnednn);
     return at::linear(x.contiguous(), bf16_weight(W));
   }
-  if (gemm && W.fmt == kFp8 && W.act_bf16 && fp8_gemm_onednn(kn, true)) {  // likewise, on the dequantized weight
+  if (gemm && W.fmt == kFp8 && W.act_bf16 && fp8_gemm_onednn(kn)) {  // likewise, on the dequantized weight
     note_used(kUsedOnednn);
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }

@@ -46,7 +46,7 @@ int resolve_dot(int fmt, bool int4_i8, bool has_wsum, int64_t group, const Knobs
 // Whether a BF16 weight's GEMM path calls torch's bf16 linear (oneDNN) for these knobs here.
 bool bf16_gemm_onednn(const Knobs& kn, bool act_bf16);
 // cpu_fp8_gemm: whether an FP8 weight's GEMM path dequantizes it to bf16 for torch's linear (oneDNN)
-bool fp8_gemm_onednn(const Knobs& kn, bool act_bf16);
+bool fp8_gemm_onednn(const Knobs& kn);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
@@ -93,14 +93,14 @@ const std::string& amx_unavailable();
 // or their C++ model, or INT8 on AVX2's vpmaddubsw (every CPU the kernels run on; amx.cpp).
 enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTilesDotModel = 3, kTilesMaddubs = 4 };
 // The AMX engine (kTilesAmx, or kTilesAmxModel where AMX is emulated) a weight's GEMM path runs at M rows,
-// or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 weights under cpu_bf16_gemm amx or auto, from
-// amx_min_tokens rows (BF16 auto: bf16 activations), where the CPU has AMX under the feature mask (isa.cpp).
+// or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 / FP8 weights under cpu_bf16_gemm / cpu_fp8_gemm amx
+// or auto, from amx_min_tokens rows (BF16 and FP8 auto: bf16 activations), where the CPU has AMX under the feature mask (isa.cpp).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M);
 // The call record's note for an AMX engine (the tiles, or their model).
 inline unsigned amx_used(int engine) { return engine == kTilesAmx ? kUsedAmx : kUsedAmxModel; }
-// How the AMX GEMM runs (from the knobs: amx_opts): K passes of k_block bytes over packed weight blocks (0:
-// all of K at once); up to direct_max rows, the weight rows read as tiles where they lie, no packing, each
-// row prefetched `prefetch` bytes ahead (0: none).
+// How the AMX GEMM runs (from the knobs: amx_opts): groups of n_group 32-column weight blocks per task, rows
+// in chunks of m_block (0: all), K in passes of k_block bytes (0: all of K at once); up to direct_max rows,
+// the weight rows read as tiles where they lie, no packing, each row prefetched `prefetch` bytes ahead (0: none).
 struct AmxOpts {
   int64_t k_block = 0, direct_max = 0, prefetch = 0, n_group = 1, m_block = 0;
 };
@@ -135,7 +135,7 @@ at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs
 // (the split BF16 microkernel outruns it up to a few hundred rows); else gemm_min_tokens (oneDNN, FP8 on
 // any path, and the unpack path of the other formats); AMX, where it runs for the weight, from
 // amx_min_tokens at the latest. r16 weights: from amx_min_tokens where AMX runs for them (BF16 and INT8: their
-// blocks are B tiles, gemm_r16), BF16 r16 with bf16 activations from r16_onednn_min_tokens (oneDNN on its rows
+// blocks are B tiles, gemm_nest's R16B), BF16 r16 with bf16 activations from r16_onednn_min_tokens (oneDNN on its rows
 // restored block by block: gemm_r16_onednn) if that is sooner, else never.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
   if (is_r16(W.fmt)) {
