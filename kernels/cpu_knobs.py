@@ -385,9 +385,12 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "GEMM on vpdpbusd, nibbles × activations quantized to int8 per (token, scale group) as the int8 "
          "INT4 method (vnni; ~0.6 % activation error on random rows; needs AVX512-VNNI, else unpack), or "
          "the same GEMM on AVX2's vpmaddubsw, eight units summed in int16 between widenings (maddubs; runs on "
-         "every CPU the kernels run on; the same sums, bitwise equal to vnni). auto: vnni where the CPU has "
-         "AVX512-VNNI, maddubs in the AVX2 build of the kernels, else unpack",
-         choices=("auto", "unpack", "vnni", "maddubs")),
+         "every CPU the kernels run on; the same sums, bitwise equal to vnni), or the same sums on AMX's TDPBSSD "
+         "tiles, a K pass per scale group (amx; groups of a multiple of 64, from cpu_amx_min_tokens rows; bitwise "
+         "equal to vnni; elsewhere as vnni). auto: amx where the CPU has AMX (groups of a multiple of 64, from "
+         "cpu_amx_min_tokens rows), vnni where it has AVX512-VNNI, maddubs in the AVX2 build of the kernels, else "
+         "unpack",
+         choices=("auto", "unpack", "vnni", "maddubs", "amx")),
     Knob("cpu_huge_pages", bool, True, "kernels/cpu",
          "CPU kernels: each weight of ≥ 2 MiB in 2 MiB-aligned memory advised for transparent huge pages "
          "(the loader places it there; a weight prepared from elsewhere is copied once): fewer TLB misses "
@@ -474,7 +477,7 @@ ISA_VARIANTS = {"cpu_int8_isa": {"avx512": None, "vnni": "avx512_vnni", "maddubs
                 "cpu_bf16_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_fp8_gemm": {"unpack": None, "onednn": None, "avx512bf16": "avx512_bf16", "amx": "amx"},
                 "cpu_int8_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None, "amx": "amx"},
-                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None},
+                "cpu_int4_gemm": {"unpack": None, "vnni": "avx512_vnni", "maddubs": None, "amx": "amx"},
                 "cpu_attn_isa": {"avx512": None, "avx512bf16": "avx512_bf16", "amx": "amx"}}
 ISA_KNOBS = tuple(ISA_VARIANTS)
 # the features whose instructions have a C++ model in the kernels (their variants are tested everywhere);

@@ -197,9 +197,11 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                 "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
-                    if fmt == "int4_g128" and t < 32:  # the int8 INT4 method's microkernel: VNNI, else vpmaddubsw
+                    if fmt == "int4_g128" and t < 32:  # the int8 INT4 method's microkernel: VNNI, else vpmaddubsw;
+                        # AMX's INT4 GEMM from cpu_amx_min_tokens (1 here) where AMX runs
                         vnni = int8_isa in ("auto", "vnni") and "avx512_vnni" in mask & HAS
-                        assert used == {"vnni" if vnni else "maddubs"}, (mask, t, int8_isa, used)
+                        want = "amx" if "amx" in mask & HAS else "vnni" if vnni else "maddubs"
+                        assert used == {want}, (mask, t, int8_isa, used)
             for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
                 x = torch.randn(40, 256, generator=g).to(dtype)
                 for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs", "amx"),
@@ -216,15 +218,16 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                     assert ("amx" in used) == (amx_named and "amx" in mask & HAS), (mask, fmt, int8_gemm, bf16_gemm, used)
                     if fmt == "int8" and int8_gemm == "auto" and not mask & HAS & {"avx512_vnni", "amx"}:
                         assert used == {AUTO_INT_GEMM}, (mask, used)
-            for int4_gemm in ("auto", "unpack", "vnni", "maddubs"):  # INT4's GEMM path
+            for int4_gemm in ("auto", "unpack", "vnni", "maddubs", "amx"):  # INT4's GEMM path (40 rows: AMX's too)
                 with cpu.recording() as rec:
                     cpu.linear(torch.randn(40, 256, generator=g), weights["int4_g128"],
                                knobs={"cpu_int4_gemm": int4_gemm, "cpu_gemm_min_tokens": 32, "cpu_dot_gemm_min_tokens": 32})
                 used = set(rec[0]["isa"].split("+"))
                 assert used <= allowed_variants(mask & HAS), (mask, int4_gemm, used)
-                vnni = int4_gemm in ("auto", "vnni") and "avx512_vnni" in mask & HAS
-                want = ("vnni" if vnni else "maddubs" if int4_gemm == "maddubs"
-                        else AUTO_INT_GEMM if int4_gemm == "auto" else UNPACK)
+                amx = int4_gemm in ("auto", "amx") and "amx" in mask & HAS
+                vnni = int4_gemm in ("auto", "vnni", "amx") and "avx512_vnni" in mask & HAS
+                want = ("amx" if amx else "vnni" if vnni else "maddubs" if int4_gemm == "maddubs"
+                        else AUTO_INT_GEMM if int4_gemm in ("auto", "amx") else UNPACK)
                 assert used == {want}, (mask, int4_gemm, used)
             for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16", "amx"),
                                                      (torch.float32, torch.bfloat16)):
@@ -917,6 +920,31 @@ def test_int4_gemm_matches_the_reference_on_its_quantized_activations(shape, sym
     xb = x.bfloat16()  # bf16 activations: the same GEMM on their float32 values
     got, _ = run_linear(xb, w, INT4_GEMM, emulate=["avx512_vnni"])
     check(got, reference.linear(xb, w), max(BF16_LINEAR, INT4_INT8), f"int4 gemm {shape} bf16 activations")
+
+
+INT4_AMX = {**INT4_GEMM, "cpu_int4_gemm": "amx", "cpu_amx_min_tokens": 1}
+INT4_AMX_SHAPES = {**INT4_GEMM_SHAPES, "m70_n97_three_row_blocks": (70, 97, 768, 64), "m33_n64": (33, 64, 512, 128)}
+
+
+@pytest.mark.parametrize("shape", sorted(INT4_AMX_SHAPES))
+def test_int4_gemm_on_amx_equals_the_vnni_gemm(shape):
+    """cpu_int4_gemm=amx (amx.cpp gemm_int4_amx: TDPBSSD on the nibbles as bytes, a K pass per scale group) on
+    the AMX tile model everywhere and natively where AMX runs: bitwise the VNNI GEMM's result (the same exact
+    integer sums per group, scaled in the same order), so within 2e-5 of the reference on the quantized
+    activations. Groups of 32 (not whole K tiles) run the VNNI GEMM instead."""
+    m, n, k, group = INT4_AMX_SHAPES[shape]
+    g = torch.Generator().manual_seed(m * n + k + 1)
+    w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, group, symmetric=False)
+    x = torch.randn(m, k, generator=g)
+    vnni, _ = run_linear(x, w, INT4_GEMM, emulate=["avx512_vnni"])
+    model, used = run_linear(x, w, INT4_AMX, emulate=["amx", "avx512_vnni"])
+    whole_tiles = group % 64 == 0
+    assert used == ("amx-model" if whole_tiles else "vnni-model"), (shape, used)
+    assert torch.equal(model, vnni), shape
+    check(model, reference.linear(quantize_act_int8_groups(x, group), w), TIGHT, f"int4 amx {shape}, exact part")
+    if "amx" in HAS:
+        native, used = run_linear(x, w, INT4_AMX)
+        assert used == ("amx" if whole_tiles else "vnni") and torch.equal(native, model), (shape, used)
 
 
 @needs("avx512_vnni")

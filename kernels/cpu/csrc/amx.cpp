@@ -20,7 +20,7 @@
 // register-blocked dot-product kernel (gemm_dot: 8 × 32 accumulators in registers over the whole K).
 // INT4 group weights have their own VNNI GEMM on that packing (gemm_int4: nibbles expanded to bytes
 // while packing, int8 activations per (token, group), float32 accumulation per scale group), on the
-// instruction and on its C++ model alike.
+// instruction and on its C++ model alike, and the same on AMX's tiles (gemm_int4_amx: a K pass per group).
 #include <cpuid.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -754,6 +754,74 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
     }
 }
 
+// INT4 on AMX (cpu_int4_gemm=amx): gemm_int4's packing and numerics on TDPBSSD. The nibbles expanded to bytes
+// (0-15: valid signed bytes) are pack_b's B tiles, the int8 activations A's tiles (a_tile_order). Per 32 × 32
+// block of C and scale group (groups of a multiple of 64: whole K tiles), the group's int32 sums in the 2 × 2
+// tiles (int4_group_sums), stored to c, then scaled into the block's float32 accumulators with int4_block's
+// operations in int4_block's order (int4_scale_group): bitwise the VNNI GEMM's result.
+template <class T>
+MOETUNE_AMX void int4_group_sums(const uint8_t* a0, const uint8_t* a1, const uint8_t* b, int64_t kt0, int64_t kt1,
+                                 int32_t* c) {
+  start_sums<T>(0, c);
+  for (int64_t kt = kt0; kt < kt1; ++kt)
+    tile_step<T, true>(a0 + kt * 1024, a1 + kt * 1024, 64, b + kt * 2048, b + kt * 2048 + 1024, true);
+  store_sums<T>(c, 128, 16, 512);
+}
+
+// acc [32][32] += (c − z·Σx_q) · (s·xs) for group g: c the group's sums [32][32], xs / xsum the block's rows'
+// [32][G], sz pack_int4_b's scales and zero points of the block's columns.
+inline void int4_scale_group(const int32_t* c, int64_t G, int64_t g, const float* xs, const float* xsum,
+                             const float* sz, float* acc) {
+  const float* s = sz + g * 64;
+  const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
+  const __m512 z0 = _mm512_load_ps(s + 32), z1 = _mm512_load_ps(s + 48);
+  for (int i = 0; i < 32; ++i) {
+    const __m512 x = _mm512_set1_ps(xs[i * G + g]), q = _mm512_set1_ps(xsum[i * G + g]);
+    float* ai = acc + 32 * i;
+    const int32_t* ci = c + 32 * i;
+    _mm512_store_ps(ai, _mm512_fmadd_ps(_mm512_fnmadd_ps(z0, q, _mm512_cvtepi32_ps(_mm512_load_si512((const void*)ci))),
+                                        _mm512_mul_ps(s0, x), _mm512_load_ps(ai)));
+    _mm512_store_ps(ai + 16, _mm512_fmadd_ps(_mm512_fnmadd_ps(z1, q, _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(ci + 16)))),
+                                             _mm512_mul_ps(s1, x), _mm512_load_ps(ai + 16)));
+  }
+}
+
+// gemm_int4's AMX engine (T: AmxHw or AmxEmu) on its quantized rows a ([mpad][kbytes], mpad a multiple of 32) and
+// per-(row, group) xs / xsum: per parallel task one 32-column block packed once, then every 32-row block over the
+// groups; out [M, N] float32.
+template <class T>
+void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float* xsum, int64_t G, int64_t gsz,
+                   const WeightView& W, int64_t M, float* o) {
+  const at::Tensor tiled = a_tile_order(reinterpret_cast<const uint8_t*>(a), kbytes, M);
+  const uint8_t* ta = tiled.data_ptr<uint8_t>();
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, gtiles = gsz / 64, mblocks = (M + 31) / 32;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64);
+    uint8_t* b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+    float* sz = reinterpret_cast<float*>(b + 32 * kbytes);
+    uint8_t* rows = b + 32 * kbytes + 64 * G * sizeof(float);
+    alignas(64) int32_t c[32 * 32];
+    alignas(64) float acc[32 * 32];
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      pack_int4_b(W, nb * 32, G, kbytes, rows, b, sz);
+      for (int64_t mb = 0; mb < mblocks; ++mb) {
+        const uint8_t* a0 = ta + 2 * mb * ktiles * 1024;
+        for (int i = 0; i < 32 * 32; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+        for (int64_t g = 0; g < G; ++g) {
+          int4_group_sums<T>(a0, a0 + ktiles * 1024, b, g * gtiles, (g + 1) * gtiles, c);
+          int4_scale_group(c, G, g, xs + mb * 32 * G, xsum + mb * 32 * G, sz, acc);
+        }
+        write_back<false>(reinterpret_cast<const int32_t*>(acc), 32, 16, 32, mb * 32, nb * 32, M, N, nullptr, o);
+      }
+    }
+    T::release();
+  }
+}
+
 }  // namespace
 
 const std::string& amx_unavailable() {
@@ -975,12 +1043,16 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on
 // the INT4 GEMM (int4_block: vpdpbusd, or its C++ model). Activations quantized here per (token, group).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
-  TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs, "INT4 GEMM: unknown engine ", engine);
+  const bool amx = engine == kTilesAmx || engine == kTilesAmxModel;
+  TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs || amx, "INT4 GEMM: unknown engine ", engine);
   const bool model = engine == kTilesDotModel;
+  TORCH_CHECK(!amx || W.group % 64 == 0, "INT4 GEMM on AMX: groups of a multiple of 64 (whole K tiles)");
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
   TORCH_CHECK(W.fmt == kInt4 && W.scale && W.zero && W.group % 32 == 0, "INT4 GEMM: INT4 weights in groups of a multiple of 32");
   TORCH_CHECK(engine != kTilesDot || (usable_features() & kFeatVnni), "INT4 GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == W.K && x_act.scalar_type() == at::kFloat, "INT4 GEMM: x float32 [M, K]");
-  constexpr int R = kInt4GemmRows;
+  const int64_t R = amx ? 32 : kInt4GemmRows;  // A's row block: AMX's 2 × 2 tiles, or int4_block's rows
   const at::Tensor x = x_act.stride(1) == 1 ? x_act : x_act.contiguous();
   const int64_t M = x.size(0), K = W.K, ld = x.stride(0), gsz = W.group, G = (K + gsz - 1) / gsz;
   TORCH_CHECK(W.row_bytes * 2 == G * gsz, "INT4 GEMM: rows must hold whole groups");
@@ -1015,21 +1087,27 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
   });
   at::Tensor out = at::empty({M, W.N}, at::kFloat);
   float* o = out.data_ptr<float>();
+  if (amx) {
+    engine == kTilesAmx ? gemm_int4_amx<AmxHw>(a, kbytes, xs, xsum, G, gsz, W, M, o)
+                        : gemm_int4_amx<AmxEmu>(a, kbytes, xs, xsum, G, gsz, W, M, o);
+    return out;
+  }
+  constexpr int RB = kInt4GemmRows;
   const int64_t N = W.N, nblocks = (N + 31) / 32, gunits = gsz / 4;
-  auto block = engine == kTilesMaddubs ? int4_block_maddubs : model ? int4_block_model<R> : int4_block_hw<R>;
+  auto block = engine == kTilesMaddubs ? int4_block_maddubs : model ? int4_block_model<RB> : int4_block_hw<RB>;
 #pragma omp parallel
   {
     std::vector<uint8_t> buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64);
     uint8_t* b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
     float* sz = reinterpret_cast<float*>(b + 32 * kbytes);
     uint8_t* rows = b + 32 * kbytes + 64 * G * sizeof(float);
-    alignas(64) float c[R * 32];
+    alignas(64) float c[RB * 32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       pack_int4_b(W, nb * 32, G, kbytes, rows, b, sz);
-      for (int64_t m0 = 0; m0 < M; m0 += R) {
+      for (int64_t m0 = 0; m0 < M; m0 += RB) {
         block(a + m0 * kbytes, kbytes, xs + m0 * G, xsum + m0 * G, G, gunits, b, sz, c);
-        write_back<false>(reinterpret_cast<const int32_t*>(c), 32, 16, R, m0, nb * 32, M, N, nullptr, o);
+        write_back<false>(reinterpret_cast<const int32_t*>(c), 32, 16, RB, m0, nb * 32, M, N, nullptr, o);
       }
     }
   }

@@ -88,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<moetune::Int4Gemm>(m, "Int4Gemm")
       .value("auto", moetune::kInt4GemmAuto).value("unpack", moetune::kInt4GemmUnpack)
       .value("vnni", moetune::kInt4GemmVnni)
-      .value("maddubs", moetune::kInt4GemmMaddubs);
+      .value("maddubs", moetune::kInt4GemmMaddubs).value("amx", moetune::kInt4GemmAmx);
   py::class_<Knobs>(m, "Knobs", "the per-call cpu knobs (build with kernels.cpu.make_knobs)")
       .def(py::init<>())
       .def_readwrite("micro_rows", &Knobs::micro_rows)

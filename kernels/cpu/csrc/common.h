@@ -110,12 +110,12 @@ enum Fp8Gemm : int { kFp8GemmAuto = 0, kFp8GemmUnpack = 1, kFp8GemmOnednn = 2, k
 // cpu_int8_gemm: INT8 weights on the GEMM path: unpack + float32 BLAS, or our tile GEMM on vpdpbusd, on
 // AVX2's vpmaddubsw (any CPU the kernels run on), or on AMX tiles (TDPBSSD).
 enum Int8Gemm : int { kInt8GemmAuto = 0, kInt8GemmUnpack = 1, kInt8GemmVnni = 2, kInt8GemmMaddubs = 3, kInt8GemmAmx = 4 };
-// cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd
-// (activations quantized to int8 per (token, group); amx.cpp gemm_int4).
+// cpu_int4_gemm: INT4 weights on the GEMM path: unpack + float32 BLAS, or our INT4 GEMM on vpdpbusd, vpmaddubsw
+// or AMX's TDPBSSD (activations quantized to int8 per (token, group); amx.cpp gemm_int4).
 // cpu_unpack_gemm: the GEMM after unpacking to float32: torch's BLAS, or our FMA register tiles (gemm_fma);
 // auto: fma in the AVX2 build, blas in the AVX-512 one.
 enum UnpackGemm : int { kUnpackGemmAuto = 0, kUnpackGemmBlas = 1, kUnpackGemmFma = 2 };
-enum Int4Gemm : int { kInt4GemmAuto = 0, kInt4GemmUnpack = 1, kInt4GemmVnni = 2, kInt4GemmMaddubs = 3 };
+enum Int4Gemm : int { kInt4GemmAuto = 0, kInt4GemmUnpack = 1, kInt4GemmVnni = 2, kInt4GemmMaddubs = 3, kInt4GemmAmx = 4 };
 
 // The dot-product variant a weight view runs (resolved per call by isa.cpp from the knobs, the CPU
 // features under the mask, and the emulated features).

@@ -87,7 +87,8 @@ int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   const int fmt = W.fmt == kBF16R16 || W.fmt == kInt8R16 ? rows_format(W.fmt) : W.fmt;
   const bool want = (fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
                     (fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16))) ||
-                    (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmAmx || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16)));
+                    (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmAmx || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16))) ||
+                    (W.fmt == kInt4 && W.group % 64 == 0 && (kn.int4_gemm == kInt4GemmAmx || kn.int4_gemm == kInt4GemmAuto));
   if (!want || M < kn.amx_min_tokens) return -1;
   return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;
 }
@@ -104,7 +105,8 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn) {
   // FP8 auto: here below amx_min_tokens rows on an AMX CPU (amx_engine first), or without AMX
   if (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmDot || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16)))
     feat = kFeatBf16;
-  // INT4 (amx.cpp gemm_int4): AMX has no INT4 form, so auto takes VNNI wherever the CPU has it
+  // INT4 (amx.cpp gemm_int4): VNNI below amx_min_tokens rows on an AMX CPU (amx_engine first, groups of a multiple
+  // of 64), for other groups, or without AMX; amx falls back to it likewise
   if (W.fmt == kInt4 && kn.int4_gemm == kInt4GemmMaddubs) return kTilesMaddubs;
   if (W.fmt == kInt4 && kn.int4_gemm != kInt4GemmUnpack) feat = kFeatVnni;
   if (!feat) return -1;

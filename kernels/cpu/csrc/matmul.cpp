@@ -137,7 +137,7 @@ void Knobs::check() const {
                   int4_method <= kInt4Int8 && int8_isa >= kInt8IsaAuto && int8_isa <= kInt8IsaMaddubs &&
                   bf16_isa >= kBf16IsaAuto && bf16_isa <= kBf16IsaDot && bf16_gemm >= kBf16GemmAuto &&
                   bf16_gemm <= kBf16GemmAmx && int8_gemm >= kInt8GemmAuto && int8_gemm <= kInt8GemmAmx &&
-                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmMaddubs && fp8_gemm >= kFp8GemmAuto &&
+                  int4_gemm >= kInt4GemmAuto && int4_gemm <= kInt4GemmAmx && fp8_gemm >= kFp8GemmAuto &&
                   fp8_gemm <= kFp8GemmAmx,
               "fp8_method, bf16_method, tile_rows, micro_order, prefetch_hint, int4_method, int8_isa, bf16_isa, "
               "bf16_gemm, int8_gemm, int4_gemm and fp8_gemm must be set");
@@ -785,7 +785,7 @@ bool unpack_gemm_fma(const Knobs& kn) {
 at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
   if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
     note_used(amx_used(amx));
-    return gemm_tiles_run(x_act, W, amx, amx_opts(kn));
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, amx) : gemm_tiles_run(x_act, W, amx, amx_opts(kn));
   }
   TORCH_CHECK(W.fmt == kBF16R16 || !is_r16(W.fmt), "GEMM: r16 INT8, INT4 and FP8 weights on AMX only (gemm_from)");
   if (W.fmt == kBF16R16) {  // from r16_onednn_min_tokens (gemm_from): oneDNN on the rows restored from r16
