@@ -197,11 +197,10 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                                                 "cpu_amx_min_tokens": 1})
                     used = set(rec[0]["isa"].split("+"))
                     assert used <= allowed_variants(mask & HAS), (mask, fmt, t, int8_isa, bf16_isa, used)
-                    if fmt == "int4_g128" and t < 32:  # the int8 INT4 method's microkernel: VNNI, else vpmaddubsw;
-                        # AMX's INT4 GEMM from cpu_amx_min_tokens (1 here) where AMX runs
+                    if fmt == "int4_g128" and t < 32:  # the int8 INT4 method's microkernel: VNNI, else vpmaddubsw
+                        # (INT4 enters the GEMM path from cpu_dot_gemm_min_tokens, 8, whatever cpu_amx_min_tokens says)
                         vnni = int8_isa in ("auto", "vnni") and "avx512_vnni" in mask & HAS
-                        want = "amx" if "amx" in mask & HAS else "vnni" if vnni else "maddubs"
-                        assert used == {want}, (mask, t, int8_isa, used)
+                        assert used == {"vnni" if vnni else "maddubs"}, (mask, t, int8_isa, used)
             for fmt, dtype in itertools.product(("int8", "bf16"), (torch.float32, torch.bfloat16)):  # the GEMM path
                 x = torch.randn(40, 256, generator=g).to(dtype)
                 for int8_gemm, bf16_gemm in itertools.product(("auto", "unpack", "vnni", "maddubs", "amx"),
@@ -227,7 +226,7 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 amx = int4_gemm in ("auto", "amx") and "amx" in mask & HAS
                 vnni = int4_gemm in ("auto", "vnni", "amx") and "avx512_vnni" in mask & HAS
                 want = ("amx" if amx else "vnni" if vnni else "maddubs" if int4_gemm == "maddubs"
-                        else AUTO_INT_GEMM if int4_gemm in ("auto", "amx") else UNPACK)
+                        else AUTO_INT_GEMM if int4_gemm == "auto" else UNPACK)
                 assert used == {want}, (mask, int4_gemm, used)
             for fp8_gemm, dtype in itertools.product(("auto", "unpack", "onednn", "avx512bf16", "amx"),
                                                      (torch.float32, torch.bfloat16)):

@@ -145,7 +145,9 @@ inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
                        : W.fmt == kBF16 && !bf16_gemm_onednn(kn, W.act_bf16) ? kn.bf16_gemm_min_tokens
                                                                              : kn.gemm_min_tokens;
-  return amx_engine(W, kn, INT64_MAX) >= 0 ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
+  // INT4 enters the GEMM path where it did (its microkernels' activations are not the GEMM's int8 ones), and takes
+  // AMX there from amx_min_tokens rows
+  return amx_engine(W, kn, INT64_MAX) >= 0 && W.fmt != kInt4 ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
