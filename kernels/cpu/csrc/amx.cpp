@@ -640,6 +640,12 @@ void gemm_maddubs(const uint8_t* a, int64_t kbytes, const WeightView& W, int64_t
 // activations have outlier channels, for one multiply (s·xs) per group and column vector.
 constexpr int kInt4GemmRows = 8;
 
+// One scale group into 16 float32 accumulators: acc + (part − z·Σx_q) · (s·xs), the operations and order every INT4
+// GEMM engine shares (int4_block's registers, the AMX engine's stored tile sums), so their results are bitwise equal.
+inline __m512 int4_scaled(__m512 acc, __m512i part, __m512 s, __m512 z, __m512 x, __m512 q) {
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(z, q, _mm512_cvtepi32_ps(part)), _mm512_mul_ps(s, x), acc);
+}
+
 #define MOETUNE_INT4_BLOCK(NAME, ATTR, DP)                                                            \
   template <int R>                                                                                   \
   ATTR void NAME(const int8_t* a, int64_t kbytes, const float* xs, const float* xsum, int64_t G,       \
@@ -663,8 +669,8 @@ constexpr int kInt4GemmRows = 8;
       const __m512 z0 = _mm512_load_ps(s + 32), z1 = _mm512_load_ps(s + 48);                          \
       _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {                                         \
         const __m512 x = _mm512_set1_ps(xs[i * G + g]), q = _mm512_set1_ps(xsum[i * G + g]);          \
-        acc[i][0] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z0, q, _mm512_cvtepi32_ps(part[i][0])), _mm512_mul_ps(s0, x), acc[i][0]); \
-        acc[i][1] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z1, q, _mm512_cvtepi32_ps(part[i][1])), _mm512_mul_ps(s1, x), acc[i][1]); \
+        acc[i][0] = int4_scaled(acc[i][0], part[i][0], s0, z0, x, q);                                 \
+        acc[i][1] = int4_scaled(acc[i][1], part[i][1], s1, z1, x, q);                                 \
       }                                                                                              \
     }                                                                                                \
     for (int i = 0; i < R; ++i) {                                                                    \
@@ -754,6 +760,20 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
     }
 }
 
+// A thread's buffer for pack_int4_b: the packed B block (32 × kbytes), the G groups' scales and zero points, and the
+// nibble-expansion scratch (32 × kbytes), 64-byte aligned.
+struct Int4Pack {
+  std::vector<uint8_t> buf;
+  uint8_t *b, *rows;
+  float* sz;
+  Int4Pack(int64_t kbytes, int64_t G) : buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64) {
+    b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+    sz = reinterpret_cast<float*>(b + 32 * kbytes);
+    rows = b + 32 * kbytes + 64 * G * sizeof(float);
+  }
+  void pack(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes) { pack_int4_b(W, n0, G, kbytes, rows, b, sz); }
+};
+
 // INT4 on AMX (cpu_int4_gemm=amx): gemm_int4's packing and numerics on TDPBSSD. The nibbles expanded to bytes
 // (0-15: valid signed bytes) are pack_b's B tiles, the int8 activations A's tiles (a_tile_order). Per 32 × 32
 // block of C and scale group (groups of a multiple of 64: whole K tiles), the group's int32 sums in the 2 × 2
@@ -779,10 +799,8 @@ inline void int4_scale_group(const int32_t* c, int64_t G, int64_t g, const float
     const __m512 x = _mm512_set1_ps(xs[i * G + g]), q = _mm512_set1_ps(xsum[i * G + g]);
     float* ai = acc + 32 * i;
     const int32_t* ci = c + 32 * i;
-    _mm512_store_ps(ai, _mm512_fmadd_ps(_mm512_fnmadd_ps(z0, q, _mm512_cvtepi32_ps(_mm512_load_si512((const void*)ci))),
-                                        _mm512_mul_ps(s0, x), _mm512_load_ps(ai)));
-    _mm512_store_ps(ai + 16, _mm512_fmadd_ps(_mm512_fnmadd_ps(z1, q, _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(ci + 16)))),
-                                             _mm512_mul_ps(s1, x), _mm512_load_ps(ai + 16)));
+    _mm512_store_ps(ai, int4_scaled(_mm512_load_ps(ai), _mm512_load_si512((const void*)ci), s0, z0, x, q));
+    _mm512_store_ps(ai + 16, int4_scaled(_mm512_load_ps(ai + 16), _mm512_load_si512((const void*)(ci + 16)), s1, z1, x, q));
   }
 }
 
@@ -797,23 +815,20 @@ void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, gtiles = gsz / 64, mblocks = (M + 31) / 32;
 #pragma omp parallel
   {
-    std::vector<uint8_t> buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64);
-    uint8_t* b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
-    float* sz = reinterpret_cast<float*>(b + 32 * kbytes);
-    uint8_t* rows = b + 32 * kbytes + 64 * G * sizeof(float);
+    Int4Pack p(kbytes, G);
     alignas(64) int32_t c[32 * 32];
     alignas(64) float acc[32 * 32];
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      pack_int4_b(W, nb * 32, G, kbytes, rows, b, sz);
+      p.pack(W, nb * 32, G, kbytes);
       for (int64_t mb = 0; mb < mblocks; ++mb) {
         const uint8_t* a0 = ta + 2 * mb * ktiles * 1024;
         for (int i = 0; i < 32 * 32; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
         for (int64_t g = 0; g < G; ++g) {
-          int4_group_sums<T>(a0, a0 + ktiles * 1024, b, g * gtiles, (g + 1) * gtiles, c);
-          int4_scale_group(c, G, g, xs + mb * 32 * G, xsum + mb * 32 * G, sz, acc);
+          int4_group_sums<T>(a0, a0 + ktiles * 1024, p.b, g * gtiles, (g + 1) * gtiles, c);
+          int4_scale_group(c, G, g, xs + mb * 32 * G, xsum + mb * 32 * G, p.sz, acc);
         }
         write_back<false>(reinterpret_cast<const int32_t*>(acc), 32, 16, 32, mb * 32, nb * 32, M, N, nullptr, o);
       }
@@ -1041,7 +1056,8 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
 }
 
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on
-// the INT4 GEMM (int4_block: vpdpbusd, or its C++ model). Activations quantized here per (token, group).
+// the INT4 GEMM (int4_block: vpdpbusd or its C++ model, vpmaddubsw; gemm_int4_amx: AMX or its tile model).
+// Activations quantized here per (token, group).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
   const bool amx = engine == kTilesAmx || engine == kTilesAmxModel;
   TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs || amx, "INT4 GEMM: unknown engine ", engine);
@@ -1097,16 +1113,13 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
   auto block = engine == kTilesMaddubs ? int4_block_maddubs : model ? int4_block_model<RB> : int4_block_hw<RB>;
 #pragma omp parallel
   {
-    std::vector<uint8_t> buf(2 * 32 * kbytes + 64 * G * sizeof(float) + 64);
-    uint8_t* b = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
-    float* sz = reinterpret_cast<float*>(b + 32 * kbytes);
-    uint8_t* rows = b + 32 * kbytes + 64 * G * sizeof(float);
+    Int4Pack p(kbytes, G);
     alignas(64) float c[RB * 32];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      pack_int4_b(W, nb * 32, G, kbytes, rows, b, sz);
+      p.pack(W, nb * 32, G, kbytes);
       for (int64_t m0 = 0; m0 < M; m0 += RB) {
-        block(a + m0 * kbytes, kbytes, xs + m0 * G, xsum + m0 * G, G, gunits, b, sz, c);
+        block(a + m0 * kbytes, kbytes, xs + m0 * G, xsum + m0 * G, G, gunits, p.b, p.sz, c);
         write_back<false>(reinterpret_cast<const int32_t*>(c), 32, 16, RB, m0, nb * 32, M, N, nullptr, o);
       }
     }
