@@ -199,6 +199,61 @@ def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
         assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-2
 
 
+def fp8_bf16_cast(w: formats.Fp8BlockWeight) -> torch.Tensor:
+    """The FP8 GEMMs' bf16 weight, in plain torch: each E4M3 byte as the kernels read it (sign, then exponent and
+    mantissa moved into float32's fields and rebased by 120; ±0 stays 0, E4M3 denormals read as 2^-7·(1 + m/8), NaN
+    bytes as ±480), times its block scale in float32, rounded to bf16 to nearest even."""
+    b = w.w.view(torch.uint8).int()
+    mag = b & 0x7F
+    bits = torch.where(mag != 0, (mag << 20) + (120 << 23), 0) | ((b & 0x80) << 24)
+    vals = bits.view(torch.float32)
+    bn, bk = w.block
+    n, k = vals.shape
+    s = w.scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (vals * s).bfloat16()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+def test_fp8_packing_in_registers_gives_the_bf16_cast_bit_for_bit(native):
+    """pack_fp8_b's two forms (whole 32-row blocks: FP8 bytes to bf16 through a per-block table and a register
+    transpose; the rest: float32 products into scratch rows, then pack_b) give the BF16 engines the bf16 cast of the
+    weight exactly: the FP8 linear on AMX (and on the vdpbf16ps GEMM) equals the BF16 linear of the cast weight bit
+    for bit. Every byte value (NaN, denormals, ±0), scale blocks of 128 × 128, 64 × 96 and 40 × 64 (the scratch
+    form), K with and without a tail of 32, an N tail, and scales the table refuses (0, negative, tiny, huge)."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(23)
+    base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 8}
+    with ctx:
+        for (n, k), block in itertools.product(((300, 384), (96, 400), (64, 2048)), ((128, 128), (64, 96), (40, 64))):
+            q = torch.arange(n * k).remainder(256).to(torch.uint8)[torch.randperm(n * k, generator=g)]
+            scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.01 + 1e-4
+            flat = scale.view(-1)
+            # refused by the table: 0, negative, too small; taken: the smallest and a large one; refused, too large
+            # (its rows' sums overflow: only the infinities must agree there)
+            for i, special in enumerate((0.0, -0.003, 2.0 ** -125, 2.0 ** -119, 2.0 ** 100)):
+                if i < flat.numel() - 1:
+                    flat[1 + i] = special
+            if scale.shape[0] > 1:  # the last row block's outputs only
+                flat[-1] = 2.0 ** 121
+            w = formats.Fp8BlockWeight(q.view(n, k).view(torch.float8_e4m3fn), scale, block)
+            cast = cpu.prepare(formats.DenseWeight(fp8_bf16_cast(w)), layout="rows")
+            x = torch.randn(40, k, generator=g).bfloat16()
+            with cpu.recording() as rec:
+                got = cpu.linear(x, w, knobs={**base, "cpu_fp8_gemm": "amx"})
+            assert rec[-1]["isa"] == tag
+            want = cpu.linear(x, cast, knobs={**base, "cpu_bf16_gemm": "amx"})
+            finite = torch.isfinite(want)
+            assert finite.float().mean() > 0.2
+            assert torch.equal(got[finite], want[finite]), ((n, k), block)
+            assert torch.equal(torch.isfinite(got), finite)
+            models = (["amx"] if not native else []) + ([] if "avx512_bf16" in cpu.detected_features() else ["avx512_bf16"])
+            with cpu.emulate(models):
+                knobs = {**base, "cpu_amx_min_tokens": 4096}
+                dotted = cpu.linear(x, w, knobs={**knobs, "cpu_fp8_gemm": "avx512bf16"})
+                dotted_cast = cpu.linear(x, cast, knobs={**knobs, "cpu_bf16_gemm": "avx512bf16"})
+            assert torch.equal(dotted[finite], dotted_cast[finite]), ((n, k), block)
+
+
 def test_status_names_the_reason_and_the_hardware_path_refuses_without_it():
     assert isinstance(HW, str)
     if HW:

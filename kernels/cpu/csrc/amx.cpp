@@ -168,11 +168,86 @@ void pack_scratch_b(const uint8_t* rows, int64_t kbytes, int fmt, uint8_t* b) {
   pack_b(E, 0, kbytes, kbytes, b);
 }
 
-// Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the dot engine (cpu_fp8_gemm=avx512bf16):
-// each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
-// onednn variant), into the scratch `rows` ([32][kbytes], zero past K and past N), then pack_b's
-// BF16 layout at b. The scales are folded into B, so the sums are the result.
+// FP8 → bf16(value × s) for a block scale s by a table instead of a float32 multiply per value. fp8x16_to_f32's value is
+// ±2^(e−7)·(1 + m/8) for every byte with a nonzero magnitude (its E4M3 denormals included), and float32's product and
+// bf16's rounding (to nearest even) both commute with a power of two while every value stays normal, so
+// bf16(value × s) = ±2^(e−7) · bf16((1 + m/8)·s): the 8 bf16 values T[m] = bf16((1 + m/8)·s) once per block and K
+// tile, then per byte T[m] with e − 7 added to its exponent field, its sign flipped by the byte's sign, 0 for ±0 — bit
+// for bit what fp8_row_bf16 computes. Fp8Bf16Lut::make refuses a scale for which that could fail (0, negative,
+// denormal, infinite or NaN, or so small or large that a product could leave float32's normal range); those blocks
+// take the float32 form.
+struct Fp8Bf16Lut {
+  __m512i t;  // T[m] − (7 << 7) in every 16-bit lane i with i % 8 = m (vpermw reads an index's low 5 bits)
+  static bool make(float s, Fp8Bf16Lut& out) {
+    alignas(64) uint16_t t[32];
+    for (int m = 0; m < 8; ++m) {
+      const float p = (1.0f + m / 8.0f) * s;  // (1 + m/8) is exact in float32: one rounding, the kernel's
+      uint32_t b;
+      std::memcpy(&b, &p, 4);
+      const uint32_t r = (b + ((b >> 16) & 1) + 0x7FFF) >> 16;  // bf16x16's rounding
+      // every product ±2^(e−7)·p normal and finite for e ∈ [0, 15], before and after the rounding; s > 0 and normal
+      if ((b >> 31) || ((b >> 23) & 0xFF) < 8 || ((r >> 7) & 0xFF) > 246) return false;
+      for (int i = m; i < 32; i += 8) t[i] = (uint16_t)(r - (7u << 7));
+    }
+    out.t = _mm512_load_si512(t);
+    return true;
+  }
+  // the 32 bytes at p (one weight row's K tile) as 32 bf16, in order
+  __m512i row(const uint8_t* p) const {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    const __m512i mant = _mm512_permutexvar_epi16(x, t);
+    const __m512i expo = _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0780));  // e << 7
+    const __m512i v = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x7F)), mant, expo);
+    return _mm512_xor_si512(v, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000)));
+  }
+};
+
+// The float32 form of the same 32 values (fp8_row_bf16's operations), for the blocks the table refuses.
+inline __m512i fp8_row32_bf16(const WeightView& W, const uint8_t* p, float s) {
+  __m512 a, c;
+  Loader<kFp8>::load(W, p, 0, 32, a, c);
+  const __m512 sv = _mm512_set1_ps(s);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(_mm512_mul_ps(a, sv))), bf16x16(_mm512_mul_ps(c, sv)), 1);
+}
+
+// Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the tile and dot engines (cpu_fp8_gemm=amx /
+// avx512bf16): each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
+// onednn variant), laid out as pack_b lays out a BF16 weight. The scales are folded into B, so the sums are the
+// result. Where the block is whole (32 rows inside N, K a multiple of 32, scale blocks of whole 16-row halves and
+// 32-wide K tiles: DeepSeek's 128 × 128), each half's K tile goes from the FP8 bytes to bf16 in registers
+// (Fp8Bf16Lut) and is transposed there into its B tile; otherwise the rows are expanded into the scratch `rows`
+// ([32][kbytes], zero past K and past N) and packed by pack_b. Both give the same bits.
 void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, uint8_t* b) {
+  if (n0 + 32 <= W.N && W.K % 32 == 0 && kbytes == 2 * W.K && W.block_n % 16 == 0 && W.group > 0 &&
+      W.group % 32 == 0) {
+    constexpr int64_t kAhead = 512;  // bytes of each row prefetched ahead of its conversion, as pack_b does
+    const int64_t ktiles = W.K / 32;
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint8_t* src[16];
+      for (int64_t n = 0; n < 16; ++n) src[n] = W.w + (n0 + 16 * h + n) * W.row_bytes;
+      const float* srow = W.scale + ((n0 + 16 * h) / W.block_n) * W.scale_ld;
+      Fp8Bf16Lut lut;
+      bool table = false;
+      int64_t block = -1;
+      for (int64_t kt = 0; kt < ktiles; ++kt) {
+        if ((32 * kt) / W.group != block) {
+          block = (32 * kt) / W.group;
+          table = Fp8Bf16Lut::make(srow[block], lut);
+        }
+        if (kt % 2 == 0)
+          for (int64_t n = 0; n < 16; ++n) {
+            const int64_t ahead = 32 * kt + kAhead;
+            _mm_prefetch((const char*)(ahead < W.K ? src[n] + ahead : src[n] + 16 * W.row_bytes + ahead - W.K),
+                         _MM_HINT_T0);
+          }
+        __m512i r[16];
+        for (int64_t n = 0; n < 16; ++n)
+          r[n] = table ? lut.row(src[n] + 32 * kt) : fp8_row32_bf16(W, src[n] + 32 * kt, srow[block]);
+        transpose16_u32_regs(r, b + (kt * 2 + h) * 1024);
+      }
+    }
+    return;
+  }
   for (int64_t n = 0; n < 32; ++n) {
     uint8_t* d = rows + n * kbytes;
     int64_t done = 0;

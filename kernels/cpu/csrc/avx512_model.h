@@ -269,6 +269,29 @@ MT_A m512i mm512_permutex2var_epi16(m512i a, m512i idx, m512i b) {
   for (int i = 0; i < 32; ++i) r[i] = t[ix[i] & 63];
   return mm512_load_si512(r);
 }
+// vpermw: result element i = a[idx[i] & 31]
+MT_A m512i mm512_permutexvar_epi16(m512i idx, m512i a) {
+  alignas(32) uint16_t t[32], ix[32], r[32];
+  mm512_store_si512(t, a), mm512_store_si512(ix, idx);
+  for (int i = 0; i < 32; ++i) r[i] = t[ix[i] & 31];
+  return mm512_load_si512(r);
+}
+// vptestmw: bit i set where a[i] & b[i] != 0; vpaddw with a zeroing mask
+MT_A __mmask32 mm512_test_epi16_mask(m512i a, m512i b) {
+  alignas(32) uint16_t x[32], y[32];
+  mm512_store_si512(x, a), mm512_store_si512(y, b);
+  uint32_t k = 0;
+  for (int i = 0; i < 32; ++i) k |= (uint32_t)((x[i] & y[i]) != 0) << i;
+  return (__mmask32)k;
+}
+MT_A m512i mm512_maskz_add_epi16(__mmask32 k, m512i a, m512i b) {
+  alignas(32) uint16_t x[32], y[32];
+  mm512_store_si512(x, a), mm512_store_si512(y, b);
+  for (int i = 0; i < 32; ++i) x[i] = (k >> i) & 1 ? (uint16_t)(x[i] + y[i]) : 0;
+  return mm512_load_si512(x);
+}
+// vinserti64x4: b into the upper (imm = 1) or lower (0) 256 bits of a
+MT_A m512i mm512_inserti64x4(m512i a, __m256i b, const int imm) { return imm ? m512i{a.lo, b} : m512i{b, a.hi}; }
 // vpermt2ps: result element i = (idx[i] bit 4 ? b : a)[idx[i] & 15]
 MT_A m512 mm512_permutex2var_ps(m512 a, m512i idx, m512 b) {
   alignas(32) float t[32], r[16];
@@ -447,6 +470,10 @@ MT_A int mm512_reduce_add_epi32(m512i a) {
 #define _mm512_shuffle_ps moetune_avx2::mm512_shuffle_ps
 #define _mm512_permutex2var_epi16 moetune_avx2::mm512_permutex2var_epi16
 #define _mm512_permutex2var_ps moetune_avx2::mm512_permutex2var_ps
+#define _mm512_permutexvar_epi16 moetune_avx2::mm512_permutexvar_epi16
+#define _mm512_test_epi16_mask moetune_avx2::mm512_test_epi16_mask
+#define _mm512_maskz_add_epi16 moetune_avx2::mm512_maskz_add_epi16
+#define _mm512_inserti64x4 moetune_avx2::mm512_inserti64x4
 #define _mm512_broadcast_f32x4 moetune_avx2::mm512_broadcast_f32x4
 #define _mm512_cvtepi8_epi32 moetune_avx2::mm512_cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 moetune_avx2::mm512_cvtepu8_epi32

@@ -222,10 +222,9 @@ inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (
 // 16 rows of 64 bytes (src[n] + off) as a 16 × 16 matrix of 32-bit units, transposed into 16 rows of
 // 64 bytes at dst, dst_ld bytes apart (row kk = unit kk of every source row; amx.cpp's B tiles, matmul.cpp's
 // rows restored from r16): unpack 32-bit, unpack 64-bit, then two
-// rounds of 128-bit lane shuffles.
-inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst, int64_t dst_ld = 64) {
-  __m512i r[16], t[16];
-  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + off);
+// rounds of 128-bit lane shuffles. transpose16_u32_regs: the same of 16 rows already in registers (r, overwritten).
+inline void transpose16_u32_regs(__m512i* r, uint8_t* dst, int64_t dst_ld = 64) {
+  __m512i t[16];
   for (int n = 0; n < 16; n += 2) {
     t[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
     t[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
@@ -246,6 +245,11 @@ inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst
     _mm512_storeu_si512(dst + (8 + c) * dst_ld, _mm512_shuffle_i32x4(s1, s3, 0x88));
     _mm512_storeu_si512(dst + (12 + c) * dst_ld, _mm512_shuffle_i32x4(s1, s3, 0xDD));
   }
+}
+inline void transpose16_u32(const uint8_t* const* src, int64_t off, uint8_t* dst, int64_t dst_ld = 64) {
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + off);
+  transpose16_u32_regs(r, dst, dst_ld);
 }
 
 // One line into the cache level `hint` says (PrefetchHint; kPrefetchNone: nothing): the r16 tiles' and the decode
