@@ -162,6 +162,50 @@ def test_int8_amx_equals_the_vnni_gemm_bitwise_and_auto_takes_it(native):
         assert tag in rec[-1]["isa"].split("+") and torch.equal(got, want)
 
 
+def routing_with_counts(counts, g):
+    """top-2 ids whose experts get exactly `counts` slots (no token routed twice to one expert), and weights."""
+    slots = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])  # sorted by expert
+    half = len(slots) // 2
+    assert max(counts) <= half  # so slot j and slot j + half never share an expert
+    ids = torch.stack([slots[:half], slots[half:]], 1)[torch.randperm(half, generator=g)]
+    return ids, torch.rand(ids.shape, generator=g) + 0.1
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+@pytest.mark.parametrize("d, i", [(128, 64), (192, 96), (256, 48)], ids=["both", "gate_up_only", "neither"])
+def test_grouped_moe_experts_equal_one_call_each(native, d, i):
+    """cpu_moe_gemm_experts=grouped (the INT8 experts AMX runs in place, one parallel region per phase; SiLU in phase
+    1's tasks, phase 2 accumulating over the experts per 32 output columns) against one GEMM call per expert (each),
+    and against VNNI's GEMM (exact integer sums, the same scaling): bitwise equal where every GEMM-path expert is
+    grouped, with experts of 1, 2 and 3 token tiles, below cpu_amx_min_tokens (the microkernels) and at
+    cpu_amx_direct_max_tokens. Phases that cannot be grouped (I not in whole 32-row blocks, K not in whole 64-byte
+    tiles) run each. With an expert past cpu_amx_direct_max_tokens (packed: one call) the experts' sums meet a token
+    in another order: within 1e-6 then."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(31)
+    base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16,
+            "cpu_amx_direct_max_tokens": 64}
+    w13 = formats.quantize_int8_channel(torch.randn(6, 2 * i, d, generator=g) * 0.05)
+    w2 = formats.quantize_int8_channel(torch.randn(6, d, i, generator=g) * 0.05)
+    with ctx:
+        for counts, exact in (((5, 16, 33, 40, 64, 2), True), ((5, 16, 33, 40, 70, 4), False)):
+            ids, tw = routing_with_counts(counts, g)
+            x = torch.randn(ids.shape[0], d, generator=g).bfloat16()
+            with cpu.recording() as rec:
+                got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
+            assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
+            each = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
+            ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-2
+            if exact:
+                assert torch.equal(got, each)
+                with cpu.emulate([] if "avx512_vnni" in cpu.detected_features() else ["avx512_vnni"]):
+                    vnni = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
+                assert torch.equal(got, vnni)
+            else:
+                assert ((got.float() - each.float()).norm() / each.float().norm()).item() <= 1e-6
+
+
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
     """cpu_fp8_gemm=amx (auto's choice for bf16 activations on AMX CPUs): each 32-row block of the FP8

@@ -34,6 +34,7 @@
 #include "dot.h"
 #include "ops.h"
 #include "amx_tiles.h"
+#include "vmath.h"
 
 namespace moetune {
 
@@ -576,6 +577,22 @@ MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, i
   store_sums<T>(s, 64, 256, 512);
 }
 
+// direct_block's sums for 32 weight rows × up to 32 tokens, transposed into c[token][32 weight rows] (st, tr: scratch).
+template <class T, bool Int8>
+inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf, int32_t* st,
+                        int32_t* tr, int32_t* c) {
+  direct_block<T, Int8>(w, ld, bt, ktiles, two, pf, st);
+  // tile (i, j) = weight rows 16i.., tokens 16j..: transposed into c[token][32 weight rows]
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < (two ? 2 : 1); ++j) {
+      const int32_t* q = st + 256 * (2 * i + j);
+      const uint8_t* src[16];
+      for (int r = 0; r < 16; ++r) src[r] = reinterpret_cast<const uint8_t*>(q + 16 * r);
+      transpose16_u32(src, 0, reinterpret_cast<uint8_t*>(tr));
+      for (int t = 0; t < 16; ++t) std::memcpy(c + (16 * j + t) * 32 + 16 * i, tr + 16 * t, 64);
+    }
+}
+
 template <class T, bool Int8>
 void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, const SumsOut& so, int64_t M, int64_t pf) {
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, ttiles = (M + 15) / 16;
@@ -607,16 +624,7 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
       }
       for (int64_t tt = 0; tt < ttiles; tt += 2) {
         const bool two = tt + 1 < ttiles;
-        direct_block<T, Int8>(w, ld, b + tt * ktiles * 1024, ktiles, two, pf, st);
-        // tile (i, j) = weight rows 16i.., tokens 16j..: transposed into c[token][32 weight rows]
-        for (int i = 0; i < 2; ++i)
-          for (int j = 0; j < (two ? 2 : 1); ++j) {
-            const int32_t* q = st + 256 * (2 * i + j);
-            const uint8_t* src[16];
-            for (int r = 0; r < 16; ++r) src[r] = reinterpret_cast<const uint8_t*>(q + 16 * r);
-            transpose16_u32(src, 0, reinterpret_cast<uint8_t*>(tr));
-            for (int t = 0; t < 16; ++t) std::memcpy(c + (16 * j + t) * 32 + 16 * i, tr + 16 * t, 64);
-          }
+        direct_sums<T, Int8>(w, ld, b + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
         const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - 16 * tt);
         if constexpr (Int8) so.put(c, rows, 16 * tt, nb * 32, M, N);
         else so.put_f32(c, rows, 16 * tt, nb * 32, M, N);
@@ -1020,6 +1028,167 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // on the instruction or its model) or the vpmaddubsw one (signed A), the scales applied in the
 // write-back (xs[rows[m]] · W.scale[n]): no float32 copy of the activations, no pass over the output.
 // → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
+// ------------------------------------------------------------------ fused MoE: the GEMM-path experts grouped
+//
+// cpu_moe_gemm_experts=grouped: the fused MoE's INT8 experts that take AMX's in-place path (gemm_direct: from
+// cpu_amx_min_tokens up to cpu_amx_direct_max_tokens tokens) run in one parallel region per phase instead of one
+// GEMM call per expert, each with its own packing region, output tensor, SiLU pass and index_add_. Every expert's
+// activation rows are packed as gemm_direct packs them, all experts in one region (pack_grouped_b). Phase 1's tasks
+// are (expert, 32 intermediate rows): the gate rows' and the up rows' sums, scaled as write_back_scaled scales them,
+// SiLU(gate)·up as silu_mul_f32 computes it, into h. Phase 2's tasks are 32 output columns over every grouped
+// expert in turn, out[token] += (sums scaled) × the routing weight: what y.mul(wts) and index_add_ add, in the
+// experts' order. So h and the output are bitwise the per-expert path's.
+namespace {
+
+struct GroupedB {
+  at::Tensor buf;
+  std::vector<int64_t> off;  // expert i's B at b + off[i]: token tile tt and K tile kt at + (tt·ktiles + kt)·1 KiB
+  uint8_t* b = nullptr;
+  int64_t ktiles = 0;
+};
+
+GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, int64_t K) {
+  GroupedB g;
+  const int64_t kbytes = ((K + 63) / 64) * 64;
+  g.ktiles = kbytes / 64;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, token tile)
+  int64_t total = 0;
+  for (size_t i = 0; i < ex.size(); ++i) {
+    g.off.push_back(total);
+    const int64_t tiles = (ex[i].n + 15) / 16;
+    for (int64_t tt = 0; tt < tiles; ++tt) items.emplace_back((int64_t)i, tt);
+    total += tiles * g.ktiles * 1024;
+  }
+  g.buf = at::empty({total + 64}, at::kByte);
+  g.b = g.buf.data_ptr<uint8_t>() + ((64 - reinterpret_cast<uintptr_t>(g.buf.data_ptr()) % 64) % 64);
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t s, int64_t e) {
+    std::vector<uint8_t> rows(16 * kbytes);
+    for (int64_t it = s; it < e; ++it) {
+      const MoeExpert& x = ex[items[it].first];
+      const int64_t tt = items[it].second;
+      const uint8_t* ptr[16];
+      for (int64_t r = 0; r < 16; ++r) {
+        uint8_t* dst = rows.data() + r * kbytes;
+        ptr[r] = dst;
+        const int64_t j = 16 * tt + r;
+        if (j >= x.n) {
+          std::memset(dst, 0, kbytes);
+          continue;
+        }
+        const int16_t* src = xq + x.rows[j] * ld;
+        for (int64_t k = 0; k < K; ++k) dst[k] = (uint8_t)src[k];  // gemm_int8_prepared's bytes (AMX: no +128)
+        std::memset(dst + K, 0, kbytes - K);
+      }
+      uint8_t* b = g.b + g.off[items[it].first] + tt * g.ktiles * 1024;
+      for (int64_t kt = 0; kt < g.ktiles; ++kt) transpose16_u32(ptr, 64 * kt, b + kt * 1024);
+    }
+  });
+  return g;
+}
+
+// float(sum) · xs · ws for 16 lanes: write_back_scaled's product, in its order
+inline __m512 int8_scaled16(const int32_t* c, float x, const float* ws) {
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)c)), _mm512_set1_ps(x)),
+                       _mm512_loadu_ps(ws));
+}
+
+template <class T>
+void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t I, int64_t pf) {
+  const int64_t blocks = I / 32, tasks = (int64_t)ex.size() * blocks, ktiles = B.ktiles;
+#pragma omp parallel
+  {
+    alignas(64) int32_t st[4 * 256], tr[256], cg[32 * 32], cu[32 * 32];
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const MoeExpert& x = ex[t / blocks];
+      const int64_t i0 = (t % blocks) * 32, ld = x.w.row_bytes, ttiles = (x.n + 15) / 16;
+      const uint8_t *wg = x.w.w + i0 * ld, *wu = x.w.w + (I + i0) * ld;
+      for (int64_t tt = 0; tt < ttiles; tt += 2) {
+        const bool two = tt + 1 < ttiles;
+        const uint8_t* bt = B.b + B.off[t / blocks] + tt * ktiles * 1024;
+        direct_sums<T, true>(wg, ld, bt, ktiles, two, pf, st, tr, cg);
+        direct_sums<T, true>(wu, ld, bt, ktiles, two, pf, st, tr, cu);
+        const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t j = 16 * tt + i;
+          const float s = xs[x.rows[j]];
+          for (int q = 0; q < 2; ++q) {
+            const __m512 g = int8_scaled16(cg + i * 32 + 16 * q, s, x.w.scale + i0 + 16 * q);
+            const __m512 u = int8_scaled16(cu + i * 32 + 16 * q, s, x.w.scale + I + i0 + 16 * q);
+            _mm512_storeu_ps(x.h + j * I + i0 + 16 * q, _mm512_mul_ps(silu512(g), u));  // silu_mul_f32's
+          }
+        }
+      }
+    }
+    T::release();
+  }
+}
+
+template <class T>
+void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t D, float* out, int64_t pf) {
+  const int64_t blocks = D / 32, ktiles = B.ktiles;
+#pragma omp parallel
+  {
+    alignas(64) int32_t st[4 * 256], tr[256], c[32 * 32];
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      const int64_t d0 = nb * 32;
+      for (size_t e = 0; e < ex.size(); ++e) {
+        const MoeExpert& x = ex[e];
+        const int64_t ld = x.w.row_bytes, ttiles = (x.n + 15) / 16;
+        for (int64_t tt = 0; tt < ttiles; tt += 2) {
+          const bool two = tt + 1 < ttiles;
+          direct_sums<T, true>(x.w.w + d0 * ld, ld, B.b + B.off[e] + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
+          const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t j = 16 * tt + i;
+            const __m512 w = _mm512_set1_ps(x.wts[j]);
+            float* o = out + x.toks[j] * D + d0;
+            for (int q = 0; q < 2; ++q) {
+              const __m512 y = int8_scaled16(c + i * 32 + 16 * q, xs[x.rows[j]], x.w.scale + d0 + 16 * q);
+              _mm512_storeu_ps(o + 16 * q, _mm512_add_ps(_mm512_loadu_ps(o + 16 * q), _mm512_mul_ps(y, w)));
+            }
+          }
+        }
+      }
+    }
+    T::release();
+  }
+}
+
+}  // namespace
+
+bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
+  return (engine == kTilesAmx || engine == kTilesAmxModel) && W.fmt == kInt8 && W.scale && n <= ao.direct_max &&
+         amx_direct_ok(W, W.K) && W.N % 32 == 0;
+}
+
+void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t I,
+                         int engine, const AmxOpts& ao) {
+  if (ex.empty()) return;
+  TORCH_CHECK(I % 32 == 0 && ex[0].w.N == 2 * I, "grouped MoE gate/up: whole 32-row blocks of gate and up");
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  const GroupedB B = pack_grouped_b(ex, xq, ld, ex[0].w.K);
+  if (engine == kTilesAmx) gate_up_grouped<AmxHw>(ex, B, xs, I, ao.prefetch);
+  else gate_up_grouped<AmxEmu>(ex, B, xs, I, ao.prefetch);
+}
+
+void moe_down_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t D,
+                      float* out, int engine, const AmxOpts& ao) {
+  if (ex.empty()) return;
+  TORCH_CHECK(D % 32 == 0 && ex[0].w.N == D, "grouped MoE down: whole 32-row blocks of the output");
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  const GroupedB B = pack_grouped_b(ex, xq, ld, ex[0].w.K);
+  if (engine == kTilesAmx) down_grouped<AmxHw>(ex, B, xs, D, out, ao.prefetch);
+  else down_grouped<AmxEmu>(ex, B, xs, D, out, ao.prefetch);
+}
+
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
                               const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out) {
   const bool dot = engine == kTilesDot || engine == kTilesDotModel, amx = engine == kTilesAmx || engine == kTilesAmxModel;

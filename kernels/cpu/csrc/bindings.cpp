@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("split256", moetune::kBf16Split256).value("auto", moetune::kBf16MethodAuto);
   py::enum_<moetune::TileRows>(m, "TileRows")
       .value("adjacent", moetune::kTileAdjacent).value("spread", moetune::kTileSpread);
+  py::enum_<moetune::MoeGemmExperts>(m, "MoeGemmExperts")
+      .value("grouped", moetune::kMoeGrouped).value("each", moetune::kMoeEach);
   py::enum_<moetune::MicroOrder>(m, "MicroOrder")
       .value("groups", moetune::kOrderGroups).value("tiles", moetune::kOrderTiles)
       .value("tiles_next", moetune::kOrderTilesNext);
@@ -116,6 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("r16_bf16_tokens", &Knobs::r16_bf16_tokens)
       .def_readwrite("r16_bf16_one_group", &Knobs::r16_bf16_one_group)
       .def_readwrite("r16_tile_blocks", &Knobs::r16_tile_blocks)
+      .def_readwrite("moe_gemm_experts", &Knobs::moe_gemm_experts)
       .def_readwrite("prefetch_ahead", &Knobs::prefetch_ahead)
       .def_readwrite("r16_int4_prefetch_ahead", &Knobs::r16_int4_prefetch_ahead)
       .def_readwrite("k_block", &Knobs::k_block)

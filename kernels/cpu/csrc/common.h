@@ -68,6 +68,8 @@ enum Bf16Method : int { kBf16Widen = 0, kBf16Split = 1, kBf16Split256 = 2, kBf16
 // of one row each per tile), or rows a sweep's rows / R apart (spread: R streams that each run through
 // rows / R consecutive rows, one long sequential read per stream, as the probe's fastest reader).
 enum TileRows : int { kTileAdjacent = 0, kTileSpread = 1 };
+// cpu_moe_gemm_experts: the fused MoE's GEMM-path INT8 experts on AMX's in-place path in one region per phase, or one call each
+enum MoeGemmExperts : int { kMoeGrouped = 0, kMoeEach = 1 };
 // cpu_micro_order: a sweep of more tokens than one register tile takes (micro_sweep), in groups of
 // micro_tokens: every group runs over all the sweep's rows before the next (groups: the rows are read
 // from memory once, then from L2 for each later group), or every row tile runs all the groups while its
@@ -179,6 +181,7 @@ struct Knobs {
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t r16_onednn_min_tokens = 0;  // from this many rows, BF16 r16 linears (bf16 activations) run oneDNN on rows restored
   TileRows r16_tile_blocks = (TileRows)-1;  // r16 tiles' blocks adjacent or spread (r16_sweep)
+  MoeGemmExperts moe_gemm_experts = (MoeGemmExperts)-1;  // fused MoE: GEMM-path experts grouped or one call each
   int64_t r16_bf16_tokens = 0;   // tokens per BF16 r16 register tile (cpu_r16_tokens: the other r16 formats')
   int64_t r16_bf16_one_group = 0;  // fused MoE, BF16 r16 experts of at most this many tokens: one token group
   int64_t prefetch_ahead = 0;    // microkernels' software prefetch: bytes ahead in the row (0: the next tile's rows)

@@ -156,8 +156,9 @@ void Knobs::check() const {
   TORCH_CHECK(tile_rows(r16_rows) && tile_rows(r16_int8_rows) && tile_rows(r16_int4_rows) && tile_rows(r16_fp8_rows) &&
                   tile_rows(r16_prefill_rows) && tokens(r16_tokens, 1) && tokens(r16_bf16_tokens, 1) &&
                   tokens(r16_bf16_one_group, 0) && (r16_tile_blocks == kTileAdjacent || r16_tile_blocks == kTileSpread) &&
-                  r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone,
-              "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_bf16_one_group 0..12, r16_next_prefetch set");
+                  r16_next_prefetch >= kPrefetchT0 && r16_next_prefetch <= kPrefetchNone &&
+                  (moe_gemm_experts == kMoeGrouped || moe_gemm_experts == kMoeEach),
+              "r16_rows, r16_int8_rows, r16_int4_rows, r16_fp8_rows and r16_prefill_rows must be 16, 32 or 64, r16_tokens and r16_bf16_tokens 1..12, r16_bf16_one_group 0..12, r16_next_prefetch and moe_gemm_experts set");
 }
 
 // ------------------------------------------------------------------ activations

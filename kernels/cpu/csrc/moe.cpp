@@ -168,7 +168,38 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   const Act A = xa.view();
   at::Tensor h = at::empty({P, I}, at::kFloat);
   float* hp = h.data_ptr<float>();
-  for (int64_t e : large)
+  // the GEMM-path experts AMX runs in place, grouped (cpu_moe_gemm_experts=grouped); the rest one call each
+  const AmxOpts ao = amx_opts(kn);
+  std::vector<MoeExpert> grouped13, grouped2;
+  int engine13 = -1, engine2 = -1;
+  std::vector<int64_t> each13, each2;
+  for (int64_t e : large) {
+    const int64_t n = r.count[e], off = r.offset[e];
+    const WeightView w13e = W13.expert(e), w2e = W2.expert(e);
+    const int g13 = kn.moe_gemm_experts == kMoeGrouped && I % 32 == 0 ? amx_engine(w13e, kn, n) : -1;
+    if (g13 >= 0 && moe_grouped_ok(w13e, n, g13, ao)) {
+      MoeExpert m;
+      m.w = w13e, m.rows = r.slot_tok.data() + off, m.n = n, m.h = hp + off * I;
+      grouped13.push_back(m);
+      engine13 = g13;
+    } else {
+      each13.push_back(e);
+    }
+    const int g2 = kn.moe_gemm_experts == kMoeGrouped ? amx_engine(w2e, kn, n) : -1;
+    if (g2 >= 0 && moe_grouped_ok(w2e, n, g2, ao)) {
+      MoeExpert m;
+      m.w = w2e, m.rows = r.slot_idx.data() + off, m.n = n, m.toks = r.slot_tok.data() + off, m.wts = r.slot_w.data() + off;
+      grouped2.push_back(m);
+      engine2 = g2;
+    } else {
+      each2.push_back(e);
+    }
+  }
+  if (!grouped13.empty()) {
+    note_used(amx_used(engine13));
+    moe_gate_up_grouped(grouped13, xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), I, engine13, ao);
+  }
+  for (int64_t e : each13)
     gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
   // r16: tasks in whole 16-row blocks (I and D are multiples of 16 there: make_weight)
   const int64_t bn0 = r16 ? (kn.moe_block_n + 15) / 16 * 16 : kn.moe_block_n;
@@ -206,7 +237,11 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
     for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn2, std::min(D, (t + 1) * bn2), op, D, kn);
   }
-  for (int64_t e : large) down_gemm(W2.expert(e), ha, r, e, I, out, kn);
+  if (!grouped2.empty()) {
+    note_used(amx_used(engine2));
+    moe_down_grouped(grouped2, ha.xq.data_ptr<int16_t>(), ha.xq.size(1), ha.xs.data_ptr<float>(), D, op, engine2, ao);
+  }
+  for (int64_t e : each2) down_gemm(W2.expert(e), ha, r, e, I, out, kn);
   return out;
 }
 
