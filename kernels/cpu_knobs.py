@@ -325,7 +325,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "warm in L3, groups of 8, K passes of 512: 64 / 128 / 256 rows x1.27 / x1.25 / x1.21 the one-block nest, BF16; "
          "INT8 x1.38 / x1.35 / x1.34)", choices=(0, 64, 128, 256, 512, 1024, 2048)),
     Knob("cpu_moe_gemm_experts", str, "grouped", "kernels/cpu",
-         "CPU fused MoE, INT8 experts on the GEMM path that AMX runs on the weight rows in place (from "
+         "CPU fused MoE, INT8 and BF16 experts on the GEMM path that AMX runs on the weight rows in place (from "
          "cpu_amx_min_tokens to cpu_amx_direct_max_tokens tokens): all of them in one parallel region per phase "
          "(grouped: tasks of an expert's 32 gate and up rows with SiLU fused, then of 32 output columns over every "
          "such expert; no per-expert output tensors, SiLU pass or index_add_), or one GEMM call per expert with all "

@@ -172,11 +172,12 @@ def routing_with_counts(counts, g):
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize("d, i", [(128, 64), (192, 96), (256, 48)], ids=["both", "gate_up_only", "neither"])
-def test_grouped_moe_experts_equal_one_call_each(native, d, i):
-    """cpu_moe_gemm_experts=grouped (the INT8 experts AMX runs in place, one parallel region per phase; SiLU in phase
-    1's tasks, phase 2 accumulating over the experts per 32 output columns) against one GEMM call per expert (each),
-    and against VNNI's GEMM (exact integer sums, the same scaling): bitwise equal where every GEMM-path expert is
+def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i):
+    """cpu_moe_gemm_experts=grouped (the INT8 and BF16 experts AMX runs in place, one parallel region per phase; SiLU in
+    phase 1's tasks, phase 2 accumulating over the experts per 32 output columns) against one GEMM call per expert
+    (each), and for INT8 against VNNI's GEMM (exact integer sums, the same scaling): bitwise equal where every GEMM-path expert is
     grouped, with experts of 1, 2 and 3 token tiles, below cpu_amx_min_tokens (the microkernels) and at
     cpu_amx_direct_max_tokens. Phases that cannot be grouped (I not in whole 32-row blocks, K not in whole 64-byte
     tiles) run each. With an expert past cpu_amx_direct_max_tokens (packed: one call) the experts' sums meet a token
@@ -184,23 +185,26 @@ def test_grouped_moe_experts_equal_one_call_each(native, d, i):
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(31)
     base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16,
-            "cpu_amx_direct_max_tokens": 64}
-    w13 = formats.quantize_int8_channel(torch.randn(6, 2 * i, d, generator=g) * 0.05)
-    w2 = formats.quantize_int8_channel(torch.randn(6, d, i, generator=g) * 0.05)
+            "cpu_amx_direct_max_tokens": 64, "cpu_bf16_gemm": "amx"}
+    make = formats.quantize_int8_channel if fmt == "int8" else (lambda t: formats.DenseWeight(t.bfloat16()))
+    w13 = make(torch.randn(6, 2 * i, d, generator=g) * 0.05)
+    w2 = make(torch.randn(6, d, i, generator=g) * 0.05)
+    p13, p2 = cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows")  # (BF16's r16 has its own nest)
     with ctx:
         for counts, exact in (((5, 16, 33, 40, 64, 2), True), ((5, 16, 33, 40, 70, 4), False)):
             ids, tw = routing_with_counts(counts, g)
             x = torch.randn(ids.shape[0], d, generator=g).bfloat16()
             with cpu.recording() as rec:
-                got = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
+                got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
             assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
-            each = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
+            each = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
             ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
             assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-2
             if exact:
                 assert torch.equal(got, each)
+            if exact and fmt == "int8":
                 with cpu.emulate([] if "avx512_vnni" in cpu.detected_features() else ["avx512_vnni"]):
-                    vnni = cpu.fused_moe(x, w13, w2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
+                    vnni = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
                 assert torch.equal(got, vnni)
             else:
                 assert ((got.float() - each.float()).norm() / each.float().norm()).item() <= 1e-6

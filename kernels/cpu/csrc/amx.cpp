@@ -1030,11 +1030,11 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // → [M, N] float32, or bfloat16 (bf16_out: the float32 result rounded, as .to(kBFloat16) would).
 // ------------------------------------------------------------------ fused MoE: the GEMM-path experts grouped
 //
-// cpu_moe_gemm_experts=grouped: the fused MoE's INT8 experts that take AMX's in-place path (gemm_direct: from
+// cpu_moe_gemm_experts=grouped: the fused MoE's INT8 and BF16 experts that take AMX's in-place path (gemm_direct: from
 // cpu_amx_min_tokens up to cpu_amx_direct_max_tokens tokens) run in one parallel region per phase instead of one
 // GEMM call per expert, each with its own packing region, output tensor, SiLU pass and index_add_. Every expert's
 // activation rows are packed as gemm_direct packs them, all experts in one region (pack_grouped_b). Phase 1's tasks
-// are (expert, 32 intermediate rows): the gate rows' and the up rows' sums, scaled as write_back_scaled scales them,
+// are (expert, 32 intermediate rows): the gate rows' and the up rows' sums (INT8: scaled as write_back_scaled scales them),
 // SiLU(gate)·up as silu_mul_f32 computes it, into h. Phase 2's tasks are 32 output columns over every grouped
 // expert in turn, out[token] += (sums scaled) × the routing weight: what y.mul(wts) and index_add_ add, in the
 // experts' order. So h and the output are bitwise the per-expert path's.
@@ -1047,9 +1047,32 @@ struct GroupedB {
   int64_t ktiles = 0;
 };
 
-GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, int64_t K) {
+// One activation row into kbytes bytes (zero past K): INT8, the prepared integers as bytes (gemm_int8_prepared's,
+// AMX: no +128); BF16, float32 rounded to bfloat16 as gemm_tiles_run rounds (nearest even, NaN → 0x7FC0).
+inline void grouped_row(const void* src, bool int8, int64_t K, int64_t kbytes, uint8_t* dst) {
+  if (int8) {
+    const int16_t* s = static_cast<const int16_t*>(src);
+    for (int64_t k = 0; k < K; ++k) dst[k] = (uint8_t)s[k];
+    std::memset(dst + K, 0, kbytes - K);
+    return;
+  }
+  const float* s = static_cast<const float*>(src);
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
+  std::memset(dst, 0, kbytes);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = tail_mask16(K - k);
+    const __m512 v = _mm512_maskz_loadu_ps(mk, s + k);
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + 2 * k, mk, h);
+  }
+}
+
+// x: INT8 weights, the int16 integers; BF16, float32 rows (ld elements apart).
+GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, int64_t K, bool int8) {
   GroupedB g;
-  const int64_t kbytes = ((K + 63) / 64) * 64;
+  const int64_t esz = int8 ? 1 : 2, kbytes = ((K * esz + 63) / 64) * 64;
   g.ktiles = kbytes / 64;
   std::vector<std::pair<int64_t, int64_t>> items;  // (expert, token tile)
   int64_t total = 0;
@@ -1064,20 +1087,18 @@ GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const int16_t* xq, int
   at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t s, int64_t e) {
     std::vector<uint8_t> rows(16 * kbytes);
     for (int64_t it = s; it < e; ++it) {
-      const MoeExpert& x = ex[items[it].first];
+      const MoeExpert& xe = ex[items[it].first];
       const int64_t tt = items[it].second;
       const uint8_t* ptr[16];
       for (int64_t r = 0; r < 16; ++r) {
         uint8_t* dst = rows.data() + r * kbytes;
         ptr[r] = dst;
         const int64_t j = 16 * tt + r;
-        if (j >= x.n) {
+        if (j >= xe.n) {
           std::memset(dst, 0, kbytes);
           continue;
         }
-        const int16_t* src = xq + x.rows[j] * ld;
-        for (int64_t k = 0; k < K; ++k) dst[k] = (uint8_t)src[k];  // gemm_int8_prepared's bytes (AMX: no +128)
-        std::memset(dst + K, 0, kbytes - K);
+        grouped_row(static_cast<const uint8_t*>(x) + xe.rows[j] * ld * (int8 ? 2 : 4), int8, K, kbytes, dst);
       }
       uint8_t* b = g.b + g.off[items[it].first] + tt * g.ktiles * 1024;
       for (int64_t kt = 0; kt < g.ktiles; ++kt) transpose16_u32(ptr, 64 * kt, b + kt * 1024);
@@ -1092,7 +1113,14 @@ inline __m512 int8_scaled16(const int32_t* c, float x, const float* ws) {
                        _mm512_loadu_ps(ws));
 }
 
-template <class T>
+// An output's 16 lanes: INT8, float(sum) · xs · ws (int8_scaled16); BF16, the float32 sums as they are.
+template <bool Int8>
+inline __m512 grouped_value16(const int32_t* c, const float* xs, int64_t row, const float* ws) {
+  if constexpr (Int8) return int8_scaled16(c, xs[row], ws);
+  else return _mm512_loadu_ps(reinterpret_cast<const float*>(c));
+}
+
+template <class T, bool Int8>
 void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t I, int64_t pf) {
   const int64_t blocks = I / 32, tasks = (int64_t)ex.size() * blocks, ktiles = B.ktiles;
 #pragma omp parallel
@@ -1108,15 +1136,14 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
       for (int64_t tt = 0; tt < ttiles; tt += 2) {
         const bool two = tt + 1 < ttiles;
         const uint8_t* bt = B.b + B.off[t / blocks] + tt * ktiles * 1024;
-        direct_sums<T, true>(wg, ld, bt, ktiles, two, pf, st, tr, cg);
-        direct_sums<T, true>(wu, ld, bt, ktiles, two, pf, st, tr, cu);
+        direct_sums<T, Int8>(wg, ld, bt, ktiles, two, pf, st, tr, cg);
+        direct_sums<T, Int8>(wu, ld, bt, ktiles, two, pf, st, tr, cu);
         const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t j = 16 * tt + i;
-          const float s = xs[x.rows[j]];
           for (int q = 0; q < 2; ++q) {
-            const __m512 g = int8_scaled16(cg + i * 32 + 16 * q, s, x.w.scale + i0 + 16 * q);
-            const __m512 u = int8_scaled16(cu + i * 32 + 16 * q, s, x.w.scale + I + i0 + 16 * q);
+            const __m512 g = grouped_value16<Int8>(cg + i * 32 + 16 * q, xs, x.rows[j], x.w.scale + i0 + 16 * q);
+            const __m512 u = grouped_value16<Int8>(cu + i * 32 + 16 * q, xs, x.rows[j], x.w.scale + I + i0 + 16 * q);
             _mm512_storeu_ps(x.h + j * I + i0 + 16 * q, _mm512_mul_ps(silu512(g), u));  // silu_mul_f32's
           }
         }
@@ -1126,7 +1153,7 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
   }
 }
 
-template <class T>
+template <class T, bool Int8>
 void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t D, float* out, int64_t pf) {
   const int64_t blocks = D / 32, ktiles = B.ktiles;
 #pragma omp parallel
@@ -1142,14 +1169,14 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
         const int64_t ld = x.w.row_bytes, ttiles = (x.n + 15) / 16;
         for (int64_t tt = 0; tt < ttiles; tt += 2) {
           const bool two = tt + 1 < ttiles;
-          direct_sums<T, true>(x.w.w + d0 * ld, ld, B.b + B.off[e] + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
+          direct_sums<T, Int8>(x.w.w + d0 * ld, ld, B.b + B.off[e] + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
           const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t j = 16 * tt + i;
             const __m512 w = _mm512_set1_ps(x.wts[j]);
             float* o = out + x.toks[j] * D + d0;
             for (int q = 0; q < 2; ++q) {
-              const __m512 y = int8_scaled16(c + i * 32 + 16 * q, xs[x.rows[j]], x.w.scale + d0 + 16 * q);
+              const __m512 y = grouped_value16<Int8>(c + i * 32 + 16 * q, xs, x.rows[j], x.w.scale + d0 + 16 * q);
               _mm512_storeu_ps(o + 16 * q, _mm512_add_ps(_mm512_loadu_ps(o + 16 * q), _mm512_mul_ps(y, w)));
             }
           }
@@ -1163,30 +1190,32 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 }  // namespace
 
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
-  return (engine == kTilesAmx || engine == kTilesAmxModel) && W.fmt == kInt8 && W.scale && n <= ao.direct_max &&
-         amx_direct_ok(W, W.K) && W.N % 32 == 0;
+  return (engine == kTilesAmx || engine == kTilesAmxModel) && ((W.fmt == kInt8 && W.scale) || W.fmt == kBF16) &&
+         n <= ao.direct_max && amx_direct_ok(W, W.K * (W.fmt == kInt8 ? 1 : 2)) && W.N % 32 == 0;
 }
 
-void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t I,
+void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,
                          int engine, const AmxOpts& ao) {
   if (ex.empty()) return;
   TORCH_CHECK(I % 32 == 0 && ex[0].w.N == 2 * I, "grouped MoE gate/up: whole 32-row blocks of gate and up");
   if (engine == kTilesAmx)
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
-  const GroupedB B = pack_grouped_b(ex, xq, ld, ex[0].w.K);
-  if (engine == kTilesAmx) gate_up_grouped<AmxHw>(ex, B, xs, I, ao.prefetch);
-  else gate_up_grouped<AmxEmu>(ex, B, xs, I, ao.prefetch);
+  const bool int8 = ex[0].w.fmt == kInt8;
+  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8);
+  if (engine == kTilesAmx) (int8 ? gate_up_grouped<AmxHw, true> : gate_up_grouped<AmxHw, false>)(ex, B, xs, I, ao.prefetch);
+  else (int8 ? gate_up_grouped<AmxEmu, true> : gate_up_grouped<AmxEmu, false>)(ex, B, xs, I, ao.prefetch);
 }
 
-void moe_down_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t D,
+void moe_down_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t D,
                       float* out, int engine, const AmxOpts& ao) {
   if (ex.empty()) return;
   TORCH_CHECK(D % 32 == 0 && ex[0].w.N == D, "grouped MoE down: whole 32-row blocks of the output");
   if (engine == kTilesAmx)
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
-  const GroupedB B = pack_grouped_b(ex, xq, ld, ex[0].w.K);
-  if (engine == kTilesAmx) down_grouped<AmxHw>(ex, B, xs, D, out, ao.prefetch);
-  else down_grouped<AmxEmu>(ex, B, xs, D, out, ao.prefetch);
+  const bool int8 = ex[0].w.fmt == kInt8;
+  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8);
+  if (engine == kTilesAmx) (int8 ? down_grouped<AmxHw, true> : down_grouped<AmxHw, false>)(ex, B, xs, D, out, ao.prefetch);
+  else (int8 ? down_grouped<AmxEmu, true> : down_grouped<AmxEmu, false>)(ex, B, xs, D, out, ao.prefetch);
 }
 
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,

@@ -125,6 +125,19 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
   out.index_add_(0, toks, y.mul(wts));
 }
 
+// The activations the grouped GEMM-path experts read (moe_gate_up_grouped / moe_down_grouped): INT8, the prepared
+// integers and their scales (as gemm_int8_prepared); BF16, the float32 rows gather_rows takes. False where p lacks them.
+bool grouped_source(const PreparedAct& p, int fmt, const void*& x, int64_t& ld, const float*& xs) {
+  if (fmt == kInt8) {
+    if (!p.xq.defined() || !p.xs.defined()) return false;
+    x = p.xq.data_ptr<int16_t>(), ld = p.xq.size(1), xs = p.xs.data_ptr<float>();
+    return true;
+  }
+  if (p.xq.defined() || !p.xf.defined() || p.xf.scalar_type() != at::kFloat || p.xf.stride(1) != 1) return false;
+  x = p.xf.data_ptr<float>(), ld = p.xf.stride(0), xs = nullptr;
+  return true;
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, const at::Tensor& s13,
@@ -173,10 +186,14 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   std::vector<MoeExpert> grouped13, grouped2;
   int engine13 = -1, engine2 = -1;
   std::vector<int64_t> each13, each2;
+  const void* x13 = nullptr;
+  int64_t ld13 = 0;
+  const float* xs13 = nullptr;
+  const bool group13 = kn.moe_gemm_experts == kMoeGrouped && I % 32 == 0 && grouped_source(xa, W13.base.fmt, x13, ld13, xs13);
   for (int64_t e : large) {
     const int64_t n = r.count[e], off = r.offset[e];
     const WeightView w13e = W13.expert(e), w2e = W2.expert(e);
-    const int g13 = kn.moe_gemm_experts == kMoeGrouped && I % 32 == 0 ? amx_engine(w13e, kn, n) : -1;
+    const int g13 = group13 ? amx_engine(w13e, kn, n) : -1;
     if (g13 >= 0 && moe_grouped_ok(w13e, n, g13, ao)) {
       MoeExpert m;
       m.w = w13e, m.rows = r.slot_tok.data() + off, m.n = n, m.h = hp + off * I;
@@ -197,7 +214,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   }
   if (!grouped13.empty()) {
     note_used(amx_used(engine13));
-    moe_gate_up_grouped(grouped13, xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), I, engine13, ao);
+    moe_gate_up_grouped(grouped13, x13, ld13, xs13, I, engine13, ao);
   }
   for (int64_t e : each13)
     gate_up_gemm(W13.expert(e), xa, r.slot_tok.data() + r.offset[e], r.count[e], D, I, hp + r.offset[e] * I, kn);
@@ -237,9 +254,14 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
 #pragma omp parallel for schedule(dynamic, kn.task_chunk)
     for (int64_t t = 0; t < dtiles; ++t) down_tile(W2, H, r, small, t * bn2, std::min(D, (t + 1) * bn2), op, D, kn);
   }
-  if (!grouped2.empty()) {
+  const void* x2 = nullptr;
+  int64_t ld2 = 0;
+  const float* xs2 = nullptr;
+  if (!grouped2.empty() && grouped_source(ha, W2.base.fmt, x2, ld2, xs2)) {
     note_used(amx_used(engine2));
-    moe_down_grouped(grouped2, ha.xq.data_ptr<int16_t>(), ha.xq.size(1), ha.xs.data_ptr<float>(), D, op, engine2, ao);
+    moe_down_grouped(grouped2, x2, ld2, xs2, D, op, engine2, ao);
+  } else {
+    each2 = large;  // one call each, in the experts' order
   }
   for (int64_t e : each2) down_gemm(W2.expert(e), ha, r, e, I, out, kn);
   return out;

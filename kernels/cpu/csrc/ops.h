@@ -117,7 +117,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
 // applied (xs[row] · W.scale[n]) → [M, N] float32, or bfloat16 with bf16_out (amx.cpp).
 // The engine INT8 weights' GEMM path runs from the integers here at M rows (the call record noted), or -1.
 int int8_integer_engine(const WeightView& W, const Knobs& kn, int64_t M);
-// The fused MoE's INT8 experts on AMX's in-place path in one parallel region per phase (cpu_moe_gemm_experts=grouped,
+// The fused MoE's INT8 and BF16 experts on AMX's in-place path in one parallel region per phase (cpu_moe_gemm_experts=grouped,
 // amx.cpp): an expert's weight, its n activation rows (rows: indices into xq), and per phase its h rows (gate/up,
 // [n, I]) or its output tokens and routing weights (down). moe_grouped_ok: whether an expert of n rows takes it.
 struct MoeExpert {
@@ -129,9 +129,11 @@ struct MoeExpert {
   const float* wts = nullptr;
 };
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao);
-void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t I,
+// x: the activations, INT8 weights' int16 integers (xs: their scales) or BF16 weights' float32 rows (xs unused), ld
+// elements apart.
+void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,
                          int engine, const AmxOpts& ao);
-void moe_down_grouped(const std::vector<MoeExpert>& ex, const int16_t* xq, int64_t ld, const float* xs, int64_t D,
+void moe_down_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t D,
                       float* out, int engine, const AmxOpts& ao);
 at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, const int64_t* rows, int64_t M,
                               const WeightView& W, int engine, const AmxOpts& ao, bool bf16_out = false);
