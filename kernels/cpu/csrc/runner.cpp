@@ -487,7 +487,8 @@ class DecodeRunner {
   // dtype: transposed (the outputs in the lanes) and cut into blocks of kHeadBlock outputs, each block
   // [A, kHeadBlock] contiguous: [H, nb, A, bw] with bw = min(B, kHeadBlock) rounded up to 16 (zero
   // columns past B). A block is one memory stream, and a thread's blocks follow each other.
-  static constexpr int64_t kHeadBlock = 256;  // 16 accumulators of 16 lanes: the register file's share
+  static constexpr int kHeadStreams = 4;  // head_linear's tasks at a time (one memory stream each)
+  static constexpr int64_t kHeadBlock = 256 / kHeadStreams;  // 16 accumulators of 16 lanes over the streams
   at::Tensor load_head_weight(const at::Tensor& w) const {
     const int64_t H = w.size(0), B = w.size(1), A = w.size(2);
     const int64_t bw = std::min<int64_t>(kHeadBlock, (B + 15) / 16 * 16), nb = (B + bw - 1) / bw;
@@ -515,31 +516,50 @@ class DecodeRunner {
     const bool par = !serial((int64_t)wt.nbytes()) && omp_get_max_threads() > 1;
     const int64_t ahead = kn.prefetch_ahead == 0 ? blk : std::min<int64_t>(kn.prefetch_ahead, blk);
     const int hint = kn.prefetch_hint;
+    // kHeadStreams tasks at a time (adjacent blocks: as many memory streams per thread; each output still summed over a
+    // in order)
+    constexpr int kV = (int)(kHeadBlock / 16), S = kHeadStreams;
+    const int64_t tasks = H * nb, pairs = (tasks + S - 1) / S;
 #pragma omp parallel for schedule(static) if (par)
-    for (int64_t task = 0; task < H * nb; ++task) {
-      const int64_t h = task / nb, b0 = (task % nb) * bw, nout = std::min(bw, B - b0);
-      const int nv = (int)((nout + 15) / 16);
-      const uint8_t* wb = wp + task * blk;
+    for (int64_t p = 0; p < pairs; ++p) {
+      int64_t tk[S];
+      for (int s = 0; s < S; ++s) tk[s] = std::min(S * p + s, tasks - 1);
+      const int n2 = (int)std::min<int64_t>(S, tasks - S * p);
+      int64_t hh[S], b0[S], nout[S];
+      int nv[S];
+      const uint8_t* wb[S];
+      const float* xr[S];
+      for (int s = 0; s < S; ++s) {
+        hh[s] = tk[s] / nb, b0[s] = (tk[s] % nb) * bw, nout[s] = std::min(bw, B - b0[s]);
+        nv[s] = (int)((nout[s] + 15) / 16), wb[s] = wp + tk[s] * blk;
+      }
       for (int64_t t = 0; t < T; ++t) {
-        const float* xr = x + (t * H + h) * hs;
-        __m512 acc[16];
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int s = 0; s < S; ++s) xr[s] = x + (t * H + hh[s]) * hs;
+        __m512 acc[S][kV];
+        for (int s = 0; s < S; ++s)
+          for (int i = 0; i < kV; ++i) acc[s][i] = _mm512_setzero_ps();
         for (int64_t a = 0; a < A; ++a) {
-          const __m512 xa = _mm512_set1_ps(xr[a]);
-          const uint8_t* r = wb + a * row;
-          for (int64_t l = 0; l < row; l += 64) prefetch_line(r + ahead + l, hint);
+#pragma GCC unroll 4
+          for (int s = 0; s < S; ++s) {
+            if (s >= n2) break;
+            const __m512 xa = _mm512_set1_ps(xr[s][a]);
+            const uint8_t* r = wb[s] + a * row;
+            for (int64_t l = 0; l < row; l += 64) prefetch_line(r + ahead + l, hint);
 #pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) {
-            if (i >= nv) break;
-            const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + 32 * i))), 16))
-                                  : _mm512_loadu_ps((const float*)r + 16 * i);
-            acc[i] = _mm512_fmadd_ps(wv, xa, acc[i]);
+            for (int i = 0; i < kV; ++i) {
+              if (i >= nv[s]) break;
+              const __m512 wv = wbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + 32 * i))), 16))
+                                    : _mm512_loadu_ps((const float*)r + 16 * i);
+              acc[s][i] = _mm512_fmadd_ps(wv, xa, acc[s][i]);
+            }
           }
         }
-        float* o = out + (t * H + h) * ldo + b0;
-        for (int i = 0; i < nv; ++i)
-          _mm512_mask_storeu_ps(o + 16 * i, tail_mask16(nout - 16 * i), bf_ ? rnd16(acc[i]) : acc[i]);
+        for (int s = 0; s < n2; ++s) {
+          float* o = out + (t * H + hh[s]) * ldo + b0[s];
+          for (int i = 0; i < nv[s]; ++i)
+            _mm512_mask_storeu_ps(o + 16 * i, tail_mask16(nout[s] - 16 * i), bf_ ? rnd16(acc[s][i]) : acc[s][i]);
+        }
       }
     }
     toc(pHead, t0);
