@@ -329,7 +329,7 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "cpu_amx_min_tokens to cpu_amx_direct_max_tokens tokens): all of them in one parallel region per phase "
          "(grouped: tasks of an expert's 32 gate and up rows with SiLU fused, then of 32 output columns over every "
          "such expert; no per-expert output tensors, SiLU pass or index_add_), or one GEMM call per expert with all "
-         "threads (each). Bitwise the same result where every GEMM-path expert is grouped (else the experts' sums "
+         "threads (each); the call record's isa names grouped (+grouped) where it ran. Bitwise the same result where every GEMM-path expert is grouped (else the experts' sums "
          "meet a token in another order). Measured on an AMX VM (Xeon, family 6 model 167 as KVM reports it, 2 "
          "threads; suites.moe_ab, weights from DRAM), grouped against each: `small` INT8 x1.05 / x1.21 / x1.15 at 64 / "
          "128 / 512 tokens, BF16 x1.13 at 128, V3 INT8 x1.07 at 128; INT8 `small` TTFT x1.07 at 512 and 2048 tokens",

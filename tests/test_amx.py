@@ -197,7 +197,11 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i):
             with cpu.recording() as rec:
                 got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
             assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
-            each = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
+            # the call record names the grouped phases (I in whole 32-row blocks and D in whole 64-byte K tiles)
+            assert ("grouped" in rec[-1]["isa"].split("+")) == (i % 32 == 0 and d * (1 if fmt == "int8" else 2) % 64 == 0)
+            with cpu.recording() as rec:
+                each = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
+            assert "grouped" not in rec[-1]["isa"].split("+")
             ref = reference.fused_moe(x.float(), w13, w2, tw, ids)
             assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-2
             if exact:

@@ -213,7 +213,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
     }
   }
   if (!grouped13.empty()) {
-    note_used(amx_used(engine13));
+    note_used(amx_used(engine13) | kUsedGrouped);
     moe_gate_up_grouped(grouped13, x13, ld13, xs13, I, engine13, ao);
   }
   for (int64_t e : each13)
@@ -258,7 +258,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   int64_t ld2 = 0;
   const float* xs2 = nullptr;
   if (!grouped2.empty() && grouped_source(ha, W2.base.fmt, x2, ld2, xs2)) {
-    note_used(amx_used(engine2));
+    note_used(amx_used(engine2) | kUsedGrouped);
     moe_down_grouped(grouped2, x2, ld2, xs2, D, op, engine2, ao);
   } else {
     each2 = large;  // one call each, in the experts' order

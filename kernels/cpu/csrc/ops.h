@@ -50,7 +50,8 @@ bool fp8_gemm_onednn(const Knobs& kn);
 // The variants a call used, noted per calling thread (the Python call record reads them).
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
-                       kUsedMaddubs = 512, kUsedAmxModel = 1024, kUsedAvx2 = 2048, kUsedR16 = 4096 };
+                       kUsedMaddubs = 512, kUsedAmxModel = 1024, kUsedAvx2 = 2048, kUsedR16 = 4096,
+                       kUsedGrouped = 8192 };  // grouped: the fused MoE's GEMM-path experts (cpu_moe_gemm_experts)
 void reset_used();
 void note_used(unsigned bits);
 // the microkernels' variant for weight W: its dot form, or maddubs where the INT4 int8 method runs without VNNI
