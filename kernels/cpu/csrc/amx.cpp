@@ -176,7 +176,7 @@ void pack_scratch_b(const uint8_t* rows, int64_t kbytes, int fmt, uint8_t* b) {
 // tile, then per byte T[m] with e − 7 added to its exponent field, its sign flipped by the byte's sign, 0 for ±0 — bit
 // for bit what fp8_row_bf16 computes. Fp8Bf16Lut::make refuses a scale for which that could fail (0, negative,
 // denormal, infinite or NaN, or so small or large that a product could leave float32's normal range); those blocks
-// take the float32 form.
+// take the float32 form (fp8_row32_bf16).
 struct Fp8Bf16Lut {
   __m512i t;  // T[m] − (7 << 7) in every 16-bit lane i with i % 8 = m (vpermw reads an index's low 5 bits)
   static bool make(float s, Fp8Bf16Lut& out) {
@@ -202,14 +202,6 @@ struct Fp8Bf16Lut {
     return _mm512_xor_si512(v, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000)));
   }
 };
-
-// The float32 form of the same 32 values (fp8_row_bf16's operations), for the blocks the table refuses.
-inline __m512i fp8_row32_bf16(const WeightView& W, const uint8_t* p, float s) {
-  __m512 a, c;
-  Loader<kFp8>::load(W, p, 0, 32, a, c);
-  const __m512 sv = _mm512_set1_ps(s);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(_mm512_mul_ps(a, sv))), bf16x16(_mm512_mul_ps(c, sv)), 1);
-}
 
 // Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the tile and dot engines (cpu_fp8_gemm=amx /
 // avx512bf16): each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
@@ -259,6 +251,17 @@ void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, 
     std::memset(d + done, 0, kbytes - done);
   }
   pack_scratch_b(rows, kbytes, kBF16, b);
+}
+
+// 16 float32 lanes (mk: those inside the row) rounded to bfloat16 at dst, as torch's conversion rounds: to nearest
+// even, NaN → 0x7FC0 (c10::BFloat16's). The tile GEMMs' bf16 activations (gemm_tiles_run, the grouped MoE's rows).
+inline void store_bf16x16(__m512 v, __mmask16 mk, uint8_t* dst) {
+  const __m512i u = _mm512_castps_si512(v);
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+      16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm512_mask_cvtepi32_storeu_epi16(dst, mk, h);
 }
 
 // Rows [m0, m0 + rows) × columns [n0, n0 + 32) of the result, from c (element (i, h, j) — row i,
@@ -978,8 +981,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
   }
   const float* xs = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
   if (xs) at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
-    const __m512i off = _mm512_set1_epi32(int8 && dot ? 128 : 0), one = _mm512_set1_epi32(1);
-    const __m512i bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
+    const __m512i off = _mm512_set1_epi32(int8 && dot ? 128 : 0);
     for (int64_t m = s; m < e; ++m)
       for (int64_t k = 0; k < K; k += 16) {  // 16 lanes, masked at K
         const __mmask16 mk = tail_mask16(K - k);
@@ -989,10 +991,7 @@ at::Tensor gemm_tiles_run(const at::Tensor& x_act, const WeightView& W, int engi
           if (engine == kTilesMaddubs && (mk & _mm512_cmp_ps_mask(v, _mm512_set1_ps(-128.f), _CMP_LE_OQ))) has_m128 = true;
           _mm512_mask_cvtepi32_storeu_epi8(a + m * kbytes + k, mk, _mm512_add_epi32(q, off));
         } else {  // bfloat16, round to nearest even; NaN → 0x7FC0 (c10::BFloat16's conversion)
-          const __m512i u = _mm512_castps_si512(v);
-          __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
-          h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-          _mm512_mask_cvtepi32_storeu_epi16(a + m * kbytes + 2 * k, mk, h);
+          store_bf16x16(v, mk, a + m * kbytes + 2 * k);
         }
       }
   });
@@ -1057,15 +1056,10 @@ inline void grouped_row(const void* src, bool int8, int64_t K, int64_t kbytes, u
     return;
   }
   const float* s = static_cast<const float*>(src);
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
   std::memset(dst, 0, kbytes);
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mk = tail_mask16(K - k);
-    const __m512 v = _mm512_maskz_loadu_ps(mk, s + k);
-    const __m512i u = _mm512_castps_si512(v);
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
-    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-    _mm512_mask_cvtepi32_storeu_epi16(dst + 2 * k, mk, h);
+    store_bf16x16(_mm512_maskz_loadu_ps(mk, s + k), mk, dst + 2 * k);
   }
 }
 

@@ -346,6 +346,15 @@ struct Loader<kFp8> {
   }
 };
 
+// 32 FP8 values at p times the block scale s, rounded to bf16 (nearest even), in order: fp8_row_bf16's whole chunks,
+// and amx.cpp's packing where its table refuses a scale.
+inline __m512i fp8_row32_bf16(const WeightView& W, const uint8_t* p, float s) {
+  __m512 a, c;
+  Loader<kFp8>::load(W, p, 0, 32, a, c);
+  const __m512 sv = _mm512_set1_ps(s);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(_mm512_mul_ps(a, sv))), bf16x16(_mm512_mul_ps(c, sv)), 1);
+}
+
 // Row r of an FP8 weight as bf16: each value times its block scale, rounded to nearest even (DeepSeek's
 // FP8 → BF16 cast of its checkpoint), K values at dst. The FP8 GEMM variants' weight (cpu_fp8_gemm).
 inline void fp8_row_bf16(const WeightView& W, int64_t r, uint16_t* dst) {
@@ -354,14 +363,13 @@ inline void fp8_row_bf16(const WeightView& W, int64_t r, uint16_t* dst) {
   // rounded in registers and stored whole (a masked vpmovdw to memory costs several cycles), masked at K's tail
   for (int64_t k = 0; k < W.K; k += 32) {
     const int64_t m = std::min<int64_t>(32, W.K - k);
-    __m512 a, c;
-    Loader<kFp8>::load(W, src, k, m, a, c);
-    const __m512 s = _mm512_set1_ps(srow[k / W.group]);
-    const __m256i lo = bf16x16(_mm512_mul_ps(a, s)), hi = bf16x16(_mm512_mul_ps(c, s));
     if (m == 32) {
-      _mm256_storeu_si256((__m256i*)(dst + k), lo);
-      _mm256_storeu_si256((__m256i*)(dst + k + 16), hi);
+      _mm512_storeu_si512((void*)(dst + k), fp8_row32_bf16(W, src + k, srow[k / W.group]));
     } else {
+      __m512 a, c;
+      Loader<kFp8>::load(W, src, k, m, a, c);
+      const __m512 s = _mm512_set1_ps(srow[k / W.group]);
+      const __m256i lo = bf16x16(_mm512_mul_ps(a, s)), hi = bf16x16(_mm512_mul_ps(c, s));
       _mm256_mask_storeu_epi16(dst + k, tail_mask16(m), lo);
       if (m > 16) _mm256_mask_storeu_epi16(dst + k + 16, tail_mask16(m - 16), hi);
     }
