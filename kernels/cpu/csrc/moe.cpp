@@ -190,27 +190,23 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   int64_t ld13 = 0;
   const float* xs13 = nullptr;
   const bool group13 = kn.moe_gemm_experts == kMoeGrouped && I % 32 == 0 && grouped_source(xa, W13.base.fmt, x13, ld13, xs13);
+  // whether an expert's phase (weight w, n rows) runs grouped; its engine into `engine`
+  const auto groups = [&](bool allowed, const WeightView& w, int64_t n, int& engine) {
+    const int g = allowed ? amx_engine(w, kn, n) : -1;
+    if (g < 0 || !moe_grouped_ok(w, n, g, ao)) return false;
+    engine = g;
+    return true;
+  };
   for (int64_t e : large) {
     const int64_t n = r.count[e], off = r.offset[e];
-    const WeightView w13e = W13.expert(e), w2e = W2.expert(e);
-    const int g13 = group13 ? amx_engine(w13e, kn, n) : -1;
-    if (g13 >= 0 && moe_grouped_ok(w13e, n, g13, ao)) {
-      MoeExpert m;
-      m.w = w13e, m.rows = r.slot_tok.data() + off, m.n = n, m.h = hp + off * I;
-      grouped13.push_back(m);
-      engine13 = g13;
-    } else {
-      each13.push_back(e);
-    }
-    const int g2 = kn.moe_gemm_experts == kMoeGrouped ? amx_engine(w2e, kn, n) : -1;
-    if (g2 >= 0 && moe_grouped_ok(w2e, n, g2, ao)) {
-      MoeExpert m;
-      m.w = w2e, m.rows = r.slot_idx.data() + off, m.n = n, m.toks = r.slot_tok.data() + off, m.wts = r.slot_w.data() + off;
-      grouped2.push_back(m);
-      engine2 = g2;
-    } else {
-      each2.push_back(e);
-    }
+    MoeExpert m13, m2;  // gate/up: the tokens' rows of xa, into h; down: the slots' rows of ha, into the tokens
+    m13.w = W13.expert(e), m13.rows = r.slot_tok.data() + off, m13.n = n, m13.h = hp + off * I;
+    m2.w = W2.expert(e), m2.rows = r.slot_idx.data() + off, m2.n = n;
+    m2.toks = r.slot_tok.data() + off, m2.wts = r.slot_w.data() + off;
+    if (groups(group13, m13.w, n, engine13)) grouped13.push_back(m13);
+    else each13.push_back(e);
+    if (groups(kn.moe_gemm_experts == kMoeGrouped, m2.w, n, engine2)) grouped2.push_back(m2);
+    else each2.push_back(e);
   }
   if (!grouped13.empty()) {
     note_used(amx_used(engine13) | kUsedGrouped);
