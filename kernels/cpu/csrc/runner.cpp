@@ -519,12 +519,12 @@ class DecodeRunner {
     // kHeadStreams tasks at a time (adjacent blocks: as many memory streams per thread; each output still summed over a
     // in order)
     constexpr int kV = (int)(kHeadBlock / 16), S = kHeadStreams;
-    const int64_t tasks = H * nb, pairs = (tasks + S - 1) / S;
+    const int64_t tasks = H * nb, sets = (tasks + S - 1) / S;
 #pragma omp parallel for schedule(static) if (par)
-    for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t p = 0; p < sets; ++p) {
       int64_t tk[S];
       for (int s = 0; s < S; ++s) tk[s] = std::min(S * p + s, tasks - 1);
-      const int n2 = (int)std::min<int64_t>(S, tasks - S * p);
+      const int live = (int)std::min<int64_t>(S, tasks - S * p);  // the last set's may be fewer
       int64_t hh[S], b0[S], nout[S];
       int nv[S];
       const uint8_t* wb[S];
@@ -541,7 +541,7 @@ class DecodeRunner {
         for (int64_t a = 0; a < A; ++a) {
 #pragma GCC unroll 4
           for (int s = 0; s < S; ++s) {
-            if (s >= n2) break;
+            if (s >= live) break;
             const __m512 xa = _mm512_set1_ps(xr[s][a]);
             const uint8_t* r = wb[s] + a * row;
             for (int64_t l = 0; l < row; l += 64) prefetch_line(r + ahead + l, hint);
@@ -555,7 +555,7 @@ class DecodeRunner {
             }
           }
         }
-        for (int s = 0; s < n2; ++s) {
+        for (int s = 0; s < live; ++s) {
           float* o = out + (t * H + hh[s]) * ldo + b0[s];
           for (int i = 0; i < nv[s]; ++i)
             _mm512_mask_storeu_ps(o + 16 * i, tail_mask16(nout[s] - 16 * i), bf_ ? rnd16(acc[s][i]) : acc[s][i]);
