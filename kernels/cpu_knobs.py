@@ -130,8 +130,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "x1.21 at 512 against rows' unpack + BLAS). A weight whose rows are not a multiple of 16 or whose K is "
          "odd stays rows. "
          "AMD Zen 5 VM, r16 against rows (oneDNN from cpu_gemm_min_tokens): [11264, 2048] x1.36 / x1.44 at 1 / 4 "
-         "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1. AMX VM, [11264, 2048]: x0.97 / "
-         "x1.00 / x0.92 / x1.06 / x1.22 / x1.09 at 1 / 4 / 16 / 64 / 128 / 512 tokens (rows kept: mixed)",
+         "tokens, x1.04 at 128, x0.95 at 512; [32000, 2048] (lm_head) x1.16 at 1. Where AMX runs, auto is r16 "
+         "(an AMX VM, [11264, 2048] from DRAM, one process alternating, since a single row block runs each column "
+         "block in one prefetched stream: x1.07 / x1.24 / x1.08 / x1.83 / x1.15 rows' speed at 1 / 16 / 32 / 64 / "
+         "512 tokens)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_expert_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT8 expert stacks (fused MoE), chosen at load: rows (row-major, as the checkpoint) or r16 "
@@ -145,9 +147,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_linear_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT8 linears, chosen at load: rows, or r16 (as cpu_int8_expert_layout; rows a multiple of "
-         "16, K of 4); auto: r16 where the CPU has AVX512-VNNI and no AMX (on an AMX VM, [11264, 2048], one process "
-         "alternating: x1.10 / x1.09 / x0.85 / x1.02 / x1.05 / x1.07 rows' speed at 1 / 4 / 16 / 64 / 128 / 512 tokens; "
-         "16 to 64 tokens run rows on AMX's weights-in-place path, which r16 lacks)",
+         "16, K of 4); auto: r16 where the CPU has AVX512-VNNI or AMX (on an AMX VM, [11264, 2048] from DRAM, one "
+         "process alternating: x1.08 / x1.58 / x1.70 / x1.49 / x1.07 rows' speed at 1 / 16 / 32 / 128 / 512 tokens)",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int4_expert_layout", str, "auto", "kernels/cpu",
          "CPU kernels, INT4 expert stacks of groups of 128 (fused MoE), chosen at load: rows, or r16 (each 16 rows' "

@@ -897,6 +897,22 @@ def test_r16_linear_layout_resolution():
         cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_linear_layout", "cpu_bf16_expert_layout")})
 
 
+def test_r16_auto_on_amx_takes_r16_for_linears_and_rows_for_experts(monkeypatch):
+    """Where AMX runs (its features stated here, so that every machine checks the choice): BF16 and INT8
+    linears resolve auto to r16, which AMX's GEMM reads in place; expert stacks to rows, which the fused MoE's
+    grouped AMX path reads in place; INT4 to r16 (no AMX form of its experts) and FP8 linears to their rows
+    default."""
+    monkeypatch.setattr(cpu, "features", lambda: {"avx512_vnni", "avx512_bf16", "amx"})
+    names = [f"cpu_{f}_{k}_layout" for f in ("bf16", "int8", "int4") for k in ("linear", "expert")]
+    try:
+        cpu.configure({n: "auto" for n in names})
+        got = (cpu.bf16_linear_layout(), cpu.int8_linear_layout(), cpu.bf16_expert_layout(), cpu.int8_expert_layout(),
+               cpu.int4_expert_layout(), cpu.int4_linear_layout(), cpu.fp8_linear_layout())
+        assert got == ("r16", "r16", "rows", "rows", "r16", "r16", "rows")
+    finally:
+        cpu.configure({n: cpu.KNOB_DEFAULTS[n] for n in names})
+
+
 # ------------------------------------------------------------------ INT8 weights in the r16 layout
 
 VNNI_NATIVE = "avx512_vnni" in cpu.features()
@@ -1018,6 +1034,9 @@ def test_int8_r16_layout_resolution_and_prepare():
         with cpu.feature_mask({"avx512_vnni", "amx"}):
             if "amx" in cpu.features():
                 assert cpu.int8_expert_layout() == "rows"
+                cpu.configure({"cpu_int8_linear_layout": "auto"})
+                assert cpu.int8_linear_layout() == "r16"
+                cpu.configure({"cpu_int8_linear_layout": "rows"})
         # the engine's dict: repacked in the weight's own storage, the row sums taken before
         cpu.configure({"cpu_int8_expert_layout": "r16", "cpu_huge_pages": False})
         src = w13.w.clone()
