@@ -116,8 +116,9 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "layout) or r16 (each 16 rows interleaved by bf16 pair, repacked once in place: a tile reads one "
          "contiguous line per 16 rows per step and multiplies each token's pair broadcast into 16-row "
          "accumulators, no horizontal sums; every token count runs on it, except on AMX CPUs from "
-         "cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles). auto: r16 where the CPU "
-         "has no AMX (on an AMX VM, `small`: x0.99 / x1.03 / x0.94 rows' speed at 1 / 16 / 128 tokens) and runs AVX512-BF16 or the AVX-512 build (float32 "
+         "cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles, grouped as cpu_moe_gemm_experts "
+         "says). auto: r16 where the CPU has AMX (an AMX VM, `small` BF16 engine, r16 against rows: TPOT x1.00, "
+         "TTFT x1.08 / x1.09 / x1.11 at 128 / 512 / 2048 tokens), or runs AVX512-BF16 or the AVX-512 build (float32 "
          "FMAs on the pair's halves without AVX512-BF16: on an Emerald Rapids VM, AVX512-BF16 and AMX hidden, "
          "x1.00 / x1.13 / x1.58 / x1.45 rows' speed at 1 / 16 / 128 / 512 tokens, `small`), else rows. A stack "
          "whose rows are not a multiple of 32 (gate|up: of 16 per half) or whose K is odd stays rows",
@@ -140,9 +141,10 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "(each 16 rows interleaved by 4-byte unit, repacked once in place, as cpu_bf16_expert_layout's: a tile "
          "reads one contiguous line per 16 rows per step and multiplies each token's 4 activation bytes, broadcast, "
          "into 16-row int32 accumulators on vpdpbusd, or vpmaddubsw without VNNI; every token count on it except on "
-         "AMX CPUs from cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles; the same result "
-         "bit for bit). auto: r16 where the CPU has AVX512-VNNI and no AMX (on an AMX VM, `small`: x0.88 / x1.02 / "
-         "x0.82 rows' speed at 1 / 16 / 128 tokens), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
+         "AMX CPUs from cpu_amx_min_tokens, where AMX's GEMM reads the blocks in place as B tiles, grouped as "
+         "cpu_moe_gemm_experts says; the same result bit for bit). auto: r16 where the CPU has AVX512-VNNI or AMX "
+         "(an AMX VM, `small` INT8 engine, r16 against rows: TPOT x1.01, TTFT x1.05 at 512 and 2048 tokens; fused "
+         "MoE x1.05 / x0.99 / x0.97 / x1.10 at 1 / 16 / 128 / 512 tokens), else rows. A stack whose rows are not a multiple of 32 or whose K is not a "
          "multiple of 4 stays rows",
          choices=("auto", "rows", "r16"), tune=False),
     Knob("cpu_int8_linear_layout", str, "auto", "kernels/cpu",
@@ -326,8 +328,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "warm in L3, groups of 8, K passes of 512: 64 / 128 / 256 rows x1.27 / x1.25 / x1.21 the one-block nest, BF16; "
          "INT8 x1.38 / x1.35 / x1.34)", choices=(0, 64, 128, 256, 512, 1024, 2048)),
     Knob("cpu_moe_gemm_experts", str, "grouped", "kernels/cpu",
-         "CPU fused MoE, INT8 and BF16 experts on the GEMM path that AMX runs on the weight rows in place (from "
-         "cpu_amx_min_tokens to cpu_amx_direct_max_tokens tokens): all of them in one parallel region per phase "
+         "CPU fused MoE, INT8 and BF16 experts on the GEMM path that AMX runs on the weights in place (row-major rows "
+         "as A tiles, r16 blocks as B tiles; from cpu_amx_min_tokens to cpu_amx_direct_max_tokens tokens): all of them in one parallel region per phase "
          "(grouped: tasks of an expert's 32 gate and up rows with SiLU fused, then of 32 output columns over every "
          "such expert; no per-expert output tensors, SiLU pass or index_add_), or one GEMM call per expert with all "
          "threads (each); the call record's isa names grouped (+grouped) where it ran. Bitwise the same result where every GEMM-path expert is grouped (else the experts' sums "

@@ -174,14 +174,16 @@ def routing_with_counts(counts, g):
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize("d, i", [(128, 64), (192, 96), (256, 48)], ids=["both", "gate_up_only", "neither"])
-def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i):
+@pytest.mark.parametrize("layout", ["rows", "r16"])
+def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i, layout):
     """cpu_moe_gemm_experts=grouped (the INT8 and BF16 experts AMX runs in place, one parallel region per phase; SiLU in
     phase 1's tasks, phase 2 accumulating over the experts per 32 output columns) against one GEMM call per expert
     (each), and for INT8 against VNNI's GEMM (exact integer sums, the same scaling): bitwise equal where every GEMM-path expert is
     grouped, with experts of 1, 2 and 3 token tiles, below cpu_amx_min_tokens (the microkernels) and at
     cpu_amx_direct_max_tokens. Phases that cannot be grouped (I not in whole 32-row blocks, K not in whole 64-byte
     tiles) run each. With an expert past cpu_amx_direct_max_tokens (packed: one call) the experts' sums meet a token
-    in another order: within 1e-6 then."""
+    in another order: within 1e-6 then. r16 stacks (their 16-row blocks read in place as B tiles against the tokens'
+    A tiles) give the row-major stacks' outputs bit for bit, grouped or not."""
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(31)
     base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16,
@@ -189,7 +191,9 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i):
     make = formats.quantize_int8_channel if fmt == "int8" else (lambda t: formats.DenseWeight(t.bfloat16()))
     w13 = make(torch.randn(6, 2 * i, d, generator=g) * 0.05)
     w2 = make(torch.randn(6, d, i, generator=g) * 0.05)
-    p13, p2 = cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows")  # (BF16's r16 has its own nest)
+    p13, p2 = cpu.prepare(w13, layout=layout), cpu.prepare(w2, layout=layout)
+    rows13, rows2 = cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows")
+    assert (p13.args[0] == rows13.args[0]) == (layout == "rows")  # r16 taken
     with ctx:
         for counts, exact in (((5, 16, 33, 40, 64, 2), True), ((5, 16, 33, 40, 70, 4), False)):
             ids, tw = routing_with_counts(counts, g)
@@ -208,10 +212,21 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i):
                 assert torch.equal(got, each)
             if exact and fmt == "int8":
                 with cpu.emulate([] if "avx512_vnni" in cpu.detected_features() else ["avx512_vnni"]):
-                    vnni = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
+                    vnni = cpu.fused_moe(x, rows13, rows2, tw, ids, knobs={**base, "cpu_int8_gemm": "vnni"})
                 assert torch.equal(got, vnni)
-            else:
+            elif not exact:
                 assert ((got.float() - each.float()).norm() / each.float().norm()).item() <= 1e-6
+            if layout == "r16":  # INT8: bitwise (integer sums); BF16: the microkernels' sums (2 and 5 tokens) differ
+                rows = cpu.fused_moe(x, rows13, rows2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
+                if fmt == "int8":
+                    assert torch.equal(got, rows)
+                else:
+                    assert ((got.float() - rows.float()).norm() / rows.float().norm()).item() <= 1e-2
+        if layout == "r16":  # every expert on the GEMM path: the tiles' sums, bitwise the row-major stacks'
+            ids, tw = routing_with_counts((16, 33, 40, 64, 20, 17), g)
+            x = torch.randn(ids.shape[0], d, generator=g).bfloat16()
+            kn = {**base, "cpu_moe_gemm_experts": "grouped"}
+            assert torch.equal(cpu.fused_moe(x, p13, p2, tw, ids, knobs=kn), cpu.fused_moe(x, rows13, rows2, tw, ids, knobs=kn))
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])

@@ -754,13 +754,13 @@ def test_r16_layout_resolution_and_prepare():
             with cpu.feature_mask(mask):
                 assert cpu.prepare(w13).args[0] == want, (value, mask)
         cpu.configure({"cpu_bf16_expert_layout": "auto"})
-        with cpu.feature_mask({"avx512_bf16"}):  # auto: r16 where AVX512-BF16 or the AVX-512 build runs, AMX not
+        with cpu.feature_mask({"avx512_bf16"}):  # auto: r16 where AVX512-BF16 or the AVX-512 build runs
             assert cpu.bf16_expert_layout() == ("r16" if BF16_NATIVE or FLOAT_R16 else "rows")
         with cpu.feature_mask(set()):
             assert cpu.bf16_expert_layout() == ("r16" if FLOAT_R16 else "rows")
         with cpu.feature_mask({"avx512_bf16", "amx"}):
             if "amx" in cpu.features():
-                assert cpu.bf16_expert_layout() == "rows"
+                assert cpu.bf16_expert_layout() == "r16"
     finally:
         cpu.configure({"cpu_bf16_expert_layout": cpu.KNOB_DEFAULTS["cpu_bf16_expert_layout"]})
     odd = formats.DenseWeight(torch.randn(4, 48, 64).to(torch.bfloat16))  # 48 rows: not whole 32s
@@ -897,18 +897,17 @@ def test_r16_linear_layout_resolution():
         cpu.configure({k: cpu.KNOB_DEFAULTS[k] for k in ("cpu_bf16_linear_layout", "cpu_bf16_expert_layout")})
 
 
-def test_r16_auto_on_amx_takes_r16_for_linears_and_rows_for_experts(monkeypatch):
-    """Where AMX runs (its features stated here, so that every machine checks the choice): BF16 and INT8
-    linears resolve auto to r16, which AMX's GEMM reads in place; expert stacks to rows, which the fused MoE's
-    grouped AMX path reads in place; INT4 to r16 (no AMX form of its experts) and FP8 linears to their rows
-    default."""
+def test_r16_auto_on_amx_takes_r16_except_for_fp8(monkeypatch):
+    """Where AMX runs (its features stated here, so that every machine checks the choice): BF16, INT8 and INT4
+    linears and expert stacks resolve auto to r16 (AMX's GEMM and the fused MoE's grouped path read BF16 / INT8
+    r16 blocks in place as B tiles); FP8 to rows (its AMX GEMM expands row-major blocks as it packs them)."""
     monkeypatch.setattr(cpu, "features", lambda: {"avx512_vnni", "avx512_bf16", "amx"})
-    names = [f"cpu_{f}_{k}_layout" for f in ("bf16", "int8", "int4") for k in ("linear", "expert")]
+    names = [f"cpu_{f}_{k}_layout" for f in ("bf16", "int8", "int4", "fp8") for k in ("linear", "expert")]
     try:
         cpu.configure({n: "auto" for n in names})
         got = (cpu.bf16_linear_layout(), cpu.int8_linear_layout(), cpu.bf16_expert_layout(), cpu.int8_expert_layout(),
-               cpu.int4_expert_layout(), cpu.int4_linear_layout(), cpu.fp8_linear_layout())
-        assert got == ("r16", "r16", "rows", "rows", "r16", "r16", "rows")
+               cpu.int4_expert_layout(), cpu.int4_linear_layout(), cpu.fp8_linear_layout(), cpu.fp8_expert_layout())
+        assert got == ("r16", "r16", "r16", "r16", "r16", "r16", "rows", "rows")
     finally:
         cpu.configure({n: cpu.KNOB_DEFAULTS[n] for n in names})
 
@@ -1033,7 +1032,7 @@ def test_int8_r16_layout_resolution_and_prepare():
             assert cpu.bf16_expert_layout() == ("r16" if FLOAT_R16 else "rows")
         with cpu.feature_mask({"avx512_vnni", "amx"}):
             if "amx" in cpu.features():
-                assert cpu.int8_expert_layout() == "rows"
+                assert cpu.int8_expert_layout() == "r16"
                 cpu.configure({"cpu_int8_linear_layout": "auto"})
                 assert cpu.int8_linear_layout() == "r16"
                 cpu.configure({"cpu_int8_linear_layout": "rows"})

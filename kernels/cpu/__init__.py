@@ -324,12 +324,13 @@ def _r16_auto(knob: str) -> str:
     if knob.startswith("cpu_int4_"):  # no AMX form of INT4: r16 wherever VNNI runs
         return "r16" if "avx512_vnni" in have else "rows"
     if "amx" in have:
-        # AMX's GEMM reads BF16 / INT8 r16 blocks in place as B tiles. Linears: r16 (an AMX VM, [11264, 2048]
-        # from DRAM, r16 against rows: BF16 x1.07 / x1.24 / x1.08 / x1.83 / x1.15 at 1 / 16 / 32 / 64 / 512
-        # tokens, INT8 x1.08 / x1.58 / x1.70 / x1.49 / x1.07 at 1 / 16 / 32 / 128 / 512). Expert stacks: rows,
-        # which the fused MoE's grouped AMX path (cpu_moe_gemm_experts) reads in place
-        fmt_linear = knob.endswith("_linear_layout") and (knob.startswith("cpu_bf16_") or knob.startswith("cpu_int8_"))
-        return "r16" if fmt_linear else "rows"
+        # AMX's GEMM reads BF16 / INT8 r16 blocks in place as B tiles, and so does the fused MoE's grouped AMX
+        # path (cpu_moe_gemm_experts). Measured on an AMX VM, r16 against rows: linears [11264, 2048] from DRAM,
+        # BF16 x1.07 / x1.24 / x1.08 / x1.83 / x1.15 at 1 / 16 / 32 / 64 / 512 tokens, INT8 x1.08 / x1.58 /
+        # x1.70 / x1.49 / x1.07 at 1 / 16 / 32 / 128 / 512; experts as the engine runs them (`small`): INT8 TPOT
+        # x1.01, TTFT x1.05 at 512 and 2048 tokens; BF16 TPOT x1.00, TTFT x1.09 / x1.11. FP8 stays rows: its
+        # AMX GEMM expands row-major blocks as it packs them, and r16 FP8 has no AMX path
+        return "rows" if knob.startswith("cpu_fp8_") else "r16"
     if knob.startswith("cpu_int8_"):
         return "r16" if "avx512_vnni" in have else "rows"
     # BF16 and FP8: r16 on vdpbf16ps where AVX512-BF16 runs, and on the AVX-512 build's float32 FMAs without it
@@ -340,24 +341,23 @@ def _r16_auto(knob: str) -> str:
 
 
 def bf16_expert_layout() -> str:
-    """What cpu_bf16_expert_layout resolves to here: auto is r16 where AMX does not run and dispatch may use
-    AVX512-BF16 or the AVX-512 build's float32 FMAs, else rows (on AMX: the fused MoE's grouped AMX path reads
-    rows in place)."""
+    """What cpu_bf16_expert_layout resolves to here: auto is r16 where AMX runs, or dispatch may use AVX512-BF16
+    or the AVX-512 build's float32 FMAs, else rows."""
     return _r16_auto("cpu_bf16_expert_layout")
 
 
 def bf16_linear_layout() -> str:
-    """What cpu_bf16_linear_layout resolves to here (auto: as bf16_expert_layout, and r16 where AMX runs)."""
+    """What cpu_bf16_linear_layout resolves to here (auto: as bf16_expert_layout)."""
     return _r16_auto("cpu_bf16_linear_layout")
 
 
 def int8_expert_layout() -> str:
-    """What cpu_int8_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-VNNI and no AMX."""
+    """What cpu_int8_expert_layout resolves to here: auto is r16 where dispatch may use AVX512-VNNI or AMX."""
     return _r16_auto("cpu_int8_expert_layout")
 
 
 def int8_linear_layout() -> str:
-    """What cpu_int8_linear_layout resolves to here (auto: as int8_expert_layout, and r16 where AMX runs)."""
+    """What cpu_int8_linear_layout resolves to here (auto: as int8_expert_layout)."""
     return _r16_auto("cpu_int8_linear_layout")
 
 

@@ -1054,9 +1054,13 @@ namespace {
 
 struct GroupedB {
   at::Tensor buf;
-  std::vector<int64_t> off;  // expert i's B at b + off[i]: token tile tt and K tile kt at + (tt·ktiles + kt)·1 KiB
+  std::vector<int64_t> off;  // expert i's tiles at b + off[i]: token tile tt and K tile kt at + (tt·ktiles + kt)·1 KiB
   uint8_t* b = nullptr;
   int64_t ktiles = 0;
+  // r16 weights: the tokens are the A operand (16 rows of 64 bytes per tile, as a_tile_order lays them), each
+  // expert's token tiles padded to an even count with zero rows (r16_sums reads two); else the B operand (a
+  // 16 × 16 transpose of 32-bit units per tile, as gemm_direct packs them)
+  bool a_tiles = false;
 };
 
 // One activation row into kbytes bytes (zero past K): INT8, the prepared integers as bytes (gemm_int8_prepared's,
@@ -1076,16 +1080,17 @@ inline void grouped_row(const void* src, bool int8, int64_t K, int64_t kbytes, u
   }
 }
 
-// x: INT8 weights, the int16 integers; BF16, float32 rows (ld elements apart).
-GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, int64_t K, bool int8) {
+// x: INT8 weights, the int16 integers; BF16, float32 rows (ld elements apart). a_tiles: for r16 weights (GroupedB).
+GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, int64_t K, bool int8, bool a_tiles) {
   GroupedB g;
   const int64_t esz = int8 ? 1 : 2, kbytes = ((K * esz + 63) / 64) * 64;
   g.ktiles = kbytes / 64;
+  g.a_tiles = a_tiles;
   std::vector<std::pair<int64_t, int64_t>> items;  // (expert, token tile)
   int64_t total = 0;
   for (size_t i = 0; i < ex.size(); ++i) {
     g.off.push_back(total);
-    const int64_t tiles = (ex[i].n + 15) / 16;
+    const int64_t tiles = a_tiles ? 2 * ((ex[i].n + 31) / 32) : (ex[i].n + 15) / 16;
     for (int64_t tt = 0; tt < tiles; ++tt) items.emplace_back((int64_t)i, tt);
     total += tiles * g.ktiles * 1024;
   }
@@ -1108,7 +1113,11 @@ GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const void* x, int64_t
         grouped_row(static_cast<const uint8_t*>(x) + xe.rows[j] * ld * (int8 ? 2 : 4), int8, K, kbytes, dst);
       }
       uint8_t* b = g.b + g.off[items[it].first] + tt * g.ktiles * 1024;
-      for (int64_t kt = 0; kt < g.ktiles; ++kt) transpose16_u32(ptr, 64 * kt, b + kt * 1024);
+      if (a_tiles)
+        for (int64_t kt = 0; kt < g.ktiles; ++kt)
+          for (int r = 0; r < 16; ++r) std::memcpy(b + kt * 1024 + 64 * r, ptr[r] + 64 * kt, 64);
+      else
+        for (int64_t kt = 0; kt < g.ktiles; ++kt) transpose16_u32(ptr, 64 * kt, b + kt * 1024);
     }
   });
   return g;
@@ -1127,9 +1136,26 @@ inline __m512 grouped_value16(const int32_t* c, const float* xs, int64_t row, co
   else return _mm512_loadu_ps(reinterpret_cast<const float*>(c));
 }
 
+// The sums of 32 weight rows from r0 (a multiple of 16) × the 32 tokens of token tiles tt, tt + 1 of an expert, into
+// c[token][32 weight rows]: direct_sums on row-major weights (the rows as A tiles in place); on r16 weights, the
+// rows' two 16-row blocks as B tiles in place (r16_block, one pass over K, each block's stream prefetched pf ahead)
+// against the tokens' A tiles, whose sums come out in c's order (no transpose).
+template <class T, bool Int8>
+inline void grouped_sums(const WeightView& w, int64_t r0, const GroupedB& B, int64_t e, int64_t tt, int64_t ttiles,
+                         int64_t pf, int32_t* st, int32_t* tr, int32_t* c) {
+  const int64_t ld = w.row_bytes, ktiles = B.ktiles;
+  const uint8_t* bt = B.b + B.off[e] + tt * ktiles * 1024;
+  if (B.a_tiles) {
+    const uint8_t* b0 = w.w + r0 * ld;  // 16-row block r0 / 16: 16 · ld bytes, K tile kt at + kt KiB
+    r16_block<T, Int8>(bt, bt + ktiles * 1024, b0, b0 + 16 * ld, true, nullptr, ktiles, 0, ktiles, pf, c);
+  } else {
+    direct_sums<T, Int8>(w.w + r0 * ld, ld, bt, ktiles, tt + 1 < ttiles, pf, st, tr, c);
+  }
+}
+
 template <class T, bool Int8>
 void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t I, int64_t pf) {
-  const int64_t blocks = I / 32, tasks = (int64_t)ex.size() * blocks, ktiles = B.ktiles;
+  const int64_t blocks = I / 32, tasks = (int64_t)ex.size() * blocks;
 #pragma omp parallel
   {
     alignas(64) int32_t st[4 * 256], tr[256], cg[32 * 32], cu[32 * 32];
@@ -1137,14 +1163,13 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const MoeExpert& x = ex[t / blocks];
-      const int64_t i0 = (t % blocks) * 32, ld = x.w.row_bytes, ttiles = (x.n + 15) / 16;
-      const uint8_t *wg = x.w.w + i0 * ld, *wu = x.w.w + (I + i0) * ld;
+      const int64_t e = t / blocks;
+      const MoeExpert& x = ex[e];
+      const int64_t i0 = (t % blocks) * 32, ttiles = (x.n + 15) / 16;
       for (int64_t tt = 0; tt < ttiles; tt += 2) {
         const bool two = tt + 1 < ttiles;
-        const uint8_t* bt = B.b + B.off[t / blocks] + tt * ktiles * 1024;
-        direct_sums<T, Int8>(wg, ld, bt, ktiles, two, pf, st, tr, cg);
-        direct_sums<T, Int8>(wu, ld, bt, ktiles, two, pf, st, tr, cu);
+        grouped_sums<T, Int8>(x.w, i0, B, e, tt, ttiles, pf, st, tr, cg);
+        grouped_sums<T, Int8>(x.w, I + i0, B, e, tt, ttiles, pf, st, tr, cu);
         const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t j = 16 * tt + i;
@@ -1162,7 +1187,7 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
 
 template <class T, bool Int8>
 void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const float* xs, int64_t D, float* out, int64_t pf) {
-  const int64_t blocks = D / 32, ktiles = B.ktiles;
+  const int64_t blocks = D / 32;
 #pragma omp parallel
   {
     alignas(64) int32_t st[4 * 256], tr[256], c[32 * 32];
@@ -1173,10 +1198,10 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
       const int64_t d0 = nb * 32;
       for (size_t e = 0; e < ex.size(); ++e) {
         const MoeExpert& x = ex[e];
-        const int64_t ld = x.w.row_bytes, ttiles = (x.n + 15) / 16;
+        const int64_t ttiles = (x.n + 15) / 16;
         for (int64_t tt = 0; tt < ttiles; tt += 2) {
           const bool two = tt + 1 < ttiles;
-          direct_sums<T, Int8>(x.w.w + d0 * ld, ld, B.b + B.off[e] + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
+          grouped_sums<T, Int8>(x.w, d0, B, (int64_t)e, tt, ttiles, pf, st, tr, c);
           const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t j = 16 * tt + i;
@@ -1197,8 +1222,12 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 }  // namespace
 
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
-  return (engine == kTilesAmx || engine == kTilesAmxModel) && ((W.fmt == kInt8 && W.scale) || W.fmt == kBF16) &&
-         n <= ao.direct_max && amx_direct_ok(W, W.K * (W.fmt == kInt8 ? 1 : 2)) && W.N % 32 == 0;
+  const int f = rows_format(W.fmt);
+  const int64_t data_bytes = W.K * (f == kInt8 ? 1 : 2);
+  // r16: whole K tiles in each 16-row block's stream (no staged tail)
+  const bool in_place = is_r16(W.fmt) ? W.row_bytes == data_bytes && data_bytes % 64 == 0 : amx_direct_ok(W, data_bytes);
+  return (engine == kTilesAmx || engine == kTilesAmxModel) && ((f == kInt8 && W.scale) || f == kBF16) &&
+         (W.fmt == f || W.fmt == kInt8R16 || W.fmt == kBF16R16) && n <= ao.direct_max && in_place && W.N % 32 == 0;
 }
 
 void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,
@@ -1207,8 +1236,8 @@ void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_
   TORCH_CHECK(I % 32 == 0 && ex[0].w.N == 2 * I, "grouped MoE gate/up: whole 32-row blocks of gate and up");
   if (engine == kTilesAmx)
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
-  const bool int8 = ex[0].w.fmt == kInt8;
-  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8);
+  const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
+  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
   if (engine == kTilesAmx) (int8 ? gate_up_grouped<AmxHw, true> : gate_up_grouped<AmxHw, false>)(ex, B, xs, I, ao.prefetch);
   else (int8 ? gate_up_grouped<AmxEmu, true> : gate_up_grouped<AmxEmu, false>)(ex, B, xs, I, ao.prefetch);
 }
@@ -1219,8 +1248,8 @@ void moe_down_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t l
   TORCH_CHECK(D % 32 == 0 && ex[0].w.N == D, "grouped MoE down: whole 32-row blocks of the output");
   if (engine == kTilesAmx)
     TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
-  const bool int8 = ex[0].w.fmt == kInt8;
-  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8);
+  const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
+  const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
   if (engine == kTilesAmx) (int8 ? down_grouped<AmxHw, true> : down_grouped<AmxHw, false>)(ex, B, xs, D, out, ao.prefetch);
   else (int8 ? down_grouped<AmxEmu, true> : down_grouped<AmxEmu, false>)(ex, B, xs, D, out, ao.prefetch);
 }

@@ -128,7 +128,7 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
 // The activations the grouped GEMM-path experts read (moe_gate_up_grouped / moe_down_grouped): INT8, the prepared
 // integers and their scales (as gemm_int8_prepared); BF16, the float32 rows gather_rows takes. False where p lacks them.
 bool grouped_source(const PreparedAct& p, int fmt, const void*& x, int64_t& ld, const float*& xs) {
-  if (fmt == kInt8) {
+  if (rows_format(fmt) == kInt8) {
     if (!p.xq.defined() || !p.xs.defined()) return false;
     x = p.xq.data_ptr<int16_t>(), ld = p.xq.size(1), xs = p.xs.data_ptr<float>();
     return true;
