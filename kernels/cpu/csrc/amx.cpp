@@ -420,7 +420,9 @@ at::Tensor a_tile_order(const uint8_t* a_rows, int64_t kbytes, int64_t M) {
 // where they lie: a 16-row block's K tile kt (16 units of 4 bytes × the block's 16 rows, unit u of row r at
 // uint32 offset u·16 + r) is exactly a B tile, 1 KiB in one piece at b0 / b1 + kt·1 KiB (columns 0-15, then
 // 16-31; `two`: the second block exists). K tiles from `full` on are the staged tail (tail / tail + 1 KiB,
-// zero past the weight's K). A tiles and sums as tile_block's.
+// zero past the weight's K). A tiles and sums as tile_block's; a1 null: rows 0-15 only (both B blocks, no
+// staged tail: the grouped MoE's last token tile of an expert). Each block's stream prefetched pf bytes ahead
+// (0: none).
 template <class T, bool Int8>
 MOETUNE_AMX void r16_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* b0, const uint8_t* b1, bool two,
                            const uint8_t* tail, int64_t full, int64_t k0, int64_t k1, int64_t pf, int32_t* c) {
@@ -432,6 +434,13 @@ MOETUNE_AMX void r16_block(const uint8_t* a0, const uint8_t* a1, const uint8_t* 
         _mm_prefetch((const char*)(b0 + kt * 1024 + pf + 64 * l), _MM_HINT_T0);
         if (two) _mm_prefetch((const char*)(b1 + kt * 1024 + pf + 64 * l), _MM_HINT_T0);
       }
+    if (a1 == nullptr) {  // one A tile (rows 0-15; sums 2 and 3 stay as they started) against both B tiles
+      T::template load<4>(a0 + kt * 1024, 64);
+      T::template load<6>(b0 + kt * 1024, 64);
+      T::template load<7>(b1 + kt * 1024, 64);
+      tile_products<T, Int8, 1, 2>();
+      continue;
+    }
     tile_step<T, Int8>(a0 + kt * 1024, a1 + kt * 1024, 64, staged ? tail : b0 + kt * 1024,
                        staged ? tail + 1024 : b1 + kt * 1024, two);
   }
@@ -1057,9 +1066,8 @@ struct GroupedB {
   std::vector<int64_t> off;  // expert i's tiles at b + off[i]: token tile tt and K tile kt at + (tt·ktiles + kt)·1 KiB
   uint8_t* b = nullptr;
   int64_t ktiles = 0;
-  // r16 weights: the tokens are the A operand (16 rows of 64 bytes per tile, as a_tile_order lays them), each
-  // expert's token tiles padded to an even count with zero rows (r16_sums reads two); else the B operand (a
-  // 16 × 16 transpose of 32-bit units per tile, as gemm_direct packs them)
+  // r16 weights: the tokens are the A operand (16 rows of 64 bytes per tile, as a_tile_order lays them); else
+  // the B operand (a 16 × 16 transpose of 32-bit units per tile, as gemm_direct packs them)
   bool a_tiles = false;
 };
 
@@ -1090,7 +1098,7 @@ GroupedB pack_grouped_b(const std::vector<MoeExpert>& ex, const void* x, int64_t
   int64_t total = 0;
   for (size_t i = 0; i < ex.size(); ++i) {
     g.off.push_back(total);
-    const int64_t tiles = a_tiles ? 2 * ((ex[i].n + 31) / 32) : (ex[i].n + 15) / 16;
+    const int64_t tiles = (ex[i].n + 15) / 16;
     for (int64_t tt = 0; tt < tiles; ++tt) items.emplace_back((int64_t)i, tt);
     total += tiles * g.ktiles * 1024;
   }
@@ -1147,7 +1155,8 @@ inline void grouped_sums(const WeightView& w, int64_t r0, const GroupedB& B, int
   const uint8_t* bt = B.b + B.off[e] + tt * ktiles * 1024;
   if (B.a_tiles) {
     const uint8_t* b0 = w.w + r0 * ld;  // 16-row block r0 / 16: 16 · ld bytes, K tile kt at + kt KiB
-    r16_block<T, Int8>(bt, bt + ktiles * 1024, b0, b0 + 16 * ld, true, nullptr, ktiles, 0, ktiles, pf, c);
+    const uint8_t* a1 = tt + 1 < ttiles ? bt + ktiles * 1024 : nullptr;  // a lone last token tile: one A tile
+    r16_block<T, Int8>(bt, a1, b0, b0 + 16 * ld, true, nullptr, ktiles, 0, ktiles, pf, c);
   } else {
     direct_sums<T, Int8>(w.w + r0 * ld, ld, bt, ktiles, tt + 1 < ttiles, pf, st, tr, c);
   }
