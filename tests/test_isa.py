@@ -944,6 +944,12 @@ def test_int4_gemm_on_amx_equals_the_vnni_gemm(shape):
     if "amx" in HAS:
         native, used = run_linear(x, w, INT4_AMX)
         assert used == ("amx" if whole_tiles else "vnni") and torch.equal(native, model), (shape, used)
+    # bf16 rows: the GEMM writes bf16 itself, each value the float32 result rounded as .to(bfloat16) rounds
+    xb = x.bfloat16()
+    for knobs, models in ((INT4_AMX, ["amx", "avx512_vnni"]), (INT4_GEMM, ["avx512_vnni"])):
+        got, _ = run_linear(xb, w, knobs, emulate=models)
+        want, _ = run_linear(xb.float(), w, knobs, emulate=models)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), shape
 
 
 @needs("avx512_vnni")

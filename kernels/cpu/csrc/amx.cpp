@@ -917,7 +917,7 @@ inline void int4_scale_group(const int32_t* c, int64_t G, int64_t g, const float
 // groups; out [M, N] float32.
 template <class T>
 void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float* xsum, int64_t G, int64_t gsz,
-                   const WeightView& W, int64_t M, float* o) {
+                   const WeightView& W, int64_t M, const SumsOut& so) {
   const at::Tensor tiled = a_tile_order(reinterpret_cast<const uint8_t*>(a), kbytes, M);
   const uint8_t* ta = tiled.data_ptr<uint8_t>();
   const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kbytes / 64, gtiles = gsz / 64, mblocks = (M + 31) / 32;
@@ -938,7 +938,7 @@ void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float
           int4_group_sums<T>(a0, a0 + ktiles * 1024, p.b, g * gtiles, (g + 1) * gtiles, c);
           int4_scale_group(c, G, g, xs + mb * 32 * G, xsum + mb * 32 * G, p.sz, acc);
         }
-        write_back<false>(reinterpret_cast<const int32_t*>(acc), 32, 16, 32, mb * 32, nb * 32, M, N, nullptr, o);
+        so.put_f32(reinterpret_cast<const int32_t*>(acc), 32, mb * 32, nb * 32, M, N);
       }
     }
     T::release();
@@ -1376,7 +1376,7 @@ at::Tensor amx_linear_raw(const at::Tensor& x_act, int64_t fmt, const at::Tensor
 // x_act [M, K] float32 (rows at any stride) · Wᵀ for an INT4 weight → [M, N] float32 real values, on
 // the INT4 GEMM (int4_block: vpdpbusd or its C++ model, vpmaddubsw; gemm_int4_amx: AMX or its tile model).
 // Activations quantized here per (token, group).
-at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
+at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, bool bf16_out) {
   const bool amx = engine == kTilesAmx || engine == kTilesAmxModel;
   TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs || amx, "INT4 GEMM: unknown engine ", engine);
   const bool model = engine == kTilesDotModel;
@@ -1419,11 +1419,13 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
       xsum[m * G + g] = (float)_mm512_reduce_add_epi32(sum);
     }
   });
-  at::Tensor out = at::empty({M, W.N}, at::kFloat);
-  float* o = out.data_ptr<float>();
+  // bf16_out: each 32-column block rounded to bfloat16 as it is written (SumsOut::put_f32), no float32 [M, N] pass
+  at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
+  SumsOut so{out.data_ptr()};
+  so.bf16 = bf16_out;
   if (amx) {
-    engine == kTilesAmx ? gemm_int4_amx<AmxHw>(a, kbytes, xs, xsum, G, gsz, W, M, o)
-                        : gemm_int4_amx<AmxEmu>(a, kbytes, xs, xsum, G, gsz, W, M, o);
+    engine == kTilesAmx ? gemm_int4_amx<AmxHw>(a, kbytes, xs, xsum, G, gsz, W, M, so)
+                        : gemm_int4_amx<AmxEmu>(a, kbytes, xs, xsum, G, gsz, W, M, so);
     return out;
   }
   constexpr int RB = kInt4GemmRows;
@@ -1438,7 +1440,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine) {
       p.pack(W, nb * 32, G, kbytes);
       for (int64_t m0 = 0; m0 < M; m0 += RB) {
         block(a + m0 * kbytes, kbytes, xs + m0 * G, xsum + m0 * G, G, gunits, p.b, p.sz, c);
-        write_back<false>(reinterpret_cast<const int32_t*>(c), 32, 16, RB, m0, nb * 32, M, N, nullptr, o);
+        so.put_f32(reinterpret_cast<const int32_t*>(c), RB, m0, nb * 32, M, N);
       }
     }
   }

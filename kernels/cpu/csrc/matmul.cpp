@@ -783,10 +783,10 @@ bool unpack_gemm_fma(const Knobs& kn) {
   return kAvx2Build;
 }
 
-at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn) {
+at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn, bool int4_bf16_out) {
   if (const int amx = amx_engine(W, kn, x_act.size(0)); amx >= 0) {
     note_used(amx_used(amx));
-    return W.fmt == kInt4 ? gemm_int4(x_act, W, amx) : gemm_tiles_run(x_act, W, amx, amx_opts(kn));
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, amx, int4_bf16_out) : gemm_tiles_run(x_act, W, amx, amx_opts(kn));
   }
   TORCH_CHECK(W.fmt == kBF16R16 || !is_r16(W.fmt), "GEMM: r16 INT8, INT4 and FP8 weights on AMX only (gemm_from)");
   if (W.fmt == kBF16R16) {  // from r16_onednn_min_tokens (gemm_from): oneDNN on the rows restored from r16
@@ -804,13 +804,13 @@ at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Kno
   const int engine = gemm_dot_engine(W, kn);
   if (engine == kTilesMaddubs) {
     note_used(kUsedMaddubs);
-    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine) : gemm_tiles_run(x_act, W, engine);
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine, int4_bf16_out) : gemm_tiles_run(x_act, W, engine);
   }
   if (engine >= 0) {
     const bool model = engine == kTilesDotModel;
     const bool bf16_dot = W.fmt == kBF16 || W.fmt == kFp8;
     note_used(!bf16_dot ? (model ? kUsedVnniModel : kUsedVnni) : (model ? kUsedBf16Model : kUsedBf16));
-    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine) : gemm_tiles_run(x_act, W, engine);
+    return W.fmt == kInt4 ? gemm_int4(x_act, W, engine, int4_bf16_out) : gemm_tiles_run(x_act, W, engine);
   }
   if (unpack_gemm_fma(kn)) {
     note_used(kUsedFma);
@@ -883,7 +883,8 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
                               int8_engine, amx_opts(kn), x.scalar_type() == at::kBFloat16);
   if (gemm) {
-    at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn);
+    // INT4 on bf16 rows: a bf16 output from the GEMM's write-back (the Python side's .to(x.dtype) is then a no-op)
+    at::Tensor out = gemm_unpacked(gemm_input(p, K), W, kn, fmt == kInt4 && x.scalar_type() == at::kBFloat16);
     if (fmt == kInt8) out.mul_(p.xs.unsqueeze(1)).mul_(scale.unsqueeze(0));
     return out;
   }

@@ -86,7 +86,7 @@ void gemv_rows(const WeightView& W, const Act& A, const int64_t* tok, int64_t M,
 void micro_sweep(const WeightView& W, const Act& A, const int64_t* tok, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, const Knobs& kn, const uint8_t* next, bool expert = false);
 // x_act [M, K] float32 (INT8: the quantized integers) @ W^T through unpacked blocks and BLAS.
-at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn);
+at::Tensor gemm_unpacked(const at::Tensor& x_act, const WeightView& W, const Knobs& kn, bool int4_bf16_out = false);
 
 // AMX (amx.cpp): why the tiles cannot run here ("" when they can).
 const std::string& amx_unavailable();
@@ -144,7 +144,7 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // x_act [M, K] float32 · Wᵀ for an INT4 weight, real values, on vpdpbusd (engine kTilesDot), its C++
 // model (kTilesDotModel) or vpmaddubsw (kTilesMaddubs); activations quantized to int8 per (token,
 // group) inside (amx.cpp).
-at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine);
+at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, bool bf16_out = false);
 // x (bf16) × a BF16 r16 weight through torch's bf16 linear (oneDNN): cpu_gemm_block_n rows at a time restored
 // from r16 into one reused row-major buffer (matmul.cpp); out_dtype: float32 or bf16.
 at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs& kn, at::ScalarType out_dtype);
