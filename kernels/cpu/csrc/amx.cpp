@@ -838,13 +838,48 @@ void int4_block_maddubs(const int8_t* a, int64_t kbytes, const float* xs, const 
       }
 }
 
-// Columns [n0, n0 + 32) of an INT4 weight packed for int4_block: the nibbles as bytes through the
-// scratch `rows` ([32][kbytes], zero past the row's data and past N) into pack_b's layout at b, and
+// Columns [n0, n0 + 32) of an INT4 weight packed for int4_block: the nibbles as bytes in pack_b's layout at b
+// (through the scratch `rows`, [32][kbytes], zero past the row's data and past N, unless the block is whole), and
 // per group g the columns' scales at sz[64g .. 64g + 32) and zero points at sz[64g + 32 .. 64g + 64)
 // (zero past N).
 void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uint8_t* rows, uint8_t* b, float* sz) {
   const int64_t chunks = W.row_bytes / 16;  // 32 elements per 16 bytes
   const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < 32; ++j) {
+      const int64_t n = n0 + j;
+      sz[64 * g + j] = n < W.N ? W.scale[n * W.scale_ld + g] : 0.f;
+      sz[64 * g + 32 + j] = n < W.N ? W.zero[n * W.scale_ld + g] : 0.f;
+    }
+  if (n0 + 32 <= W.N && 2 * W.row_bytes == kbytes) {
+    // a whole block (32 rows inside N, whole 64-byte K tiles): each half's K tile goes from its rows' 32 packed bytes
+    // to the 64 bytes in registers (per 16-byte chunk its low nibbles, then its high ones) and is transposed there
+    // into its B tile, as pack_fp8_b's register path does; the same bytes as through the scratch and pack_b
+    constexpr int64_t kAhead = 512;  // bytes of each row prefetched ahead of its expansion
+    const int64_t ktiles = kbytes / 64;
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint8_t* src[16];
+      for (int64_t n = 0; n < 16; ++n) src[n] = W.w + (n0 + 16 * h + n) * W.row_bytes;
+      for (int64_t kt = 0; kt < ktiles; ++kt) {
+        if (kt % 2 == 0)
+          for (int64_t n = 0; n < 16; ++n) {
+            const int64_t ahead = 32 * kt + kAhead;
+            _mm_prefetch((const char*)(ahead < W.row_bytes ? src[n] + ahead : src[n] + 16 * W.row_bytes + ahead - W.row_bytes),
+                         _MM_HINT_T0);
+          }
+        __m512i r[16];
+        for (int64_t n = 0; n < 16; ++n) {
+          const __m128i c0 = _mm_loadu_si128((const __m128i*)(src[n] + 32 * kt));
+          const __m128i c1 = _mm_loadu_si128((const __m128i*)(src[n] + 32 * kt + 16));
+          const __m256i y0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c0, 4), nib), _mm_and_si128(c0, nib));
+          const __m256i y1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c1, 4), nib), _mm_and_si128(c1, nib));
+          r[n] = _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1);
+        }
+        transpose16_u32_regs(r, b + (kt * 2 + h) * 1024);
+      }
+    }
+    return;
+  }
   for (int64_t n = 0; n < 32; ++n) {
     uint8_t* d = rows + n * kbytes;
     int64_t done = 0;
@@ -860,12 +895,6 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
     std::memset(d + done, 0, kbytes - done);
   }
   pack_scratch_b(rows, kbytes, kInt8, b);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < 32; ++j) {
-      const int64_t n = n0 + j;
-      sz[64 * g + j] = n < W.N ? W.scale[n * W.scale_ld + g] : 0.f;
-      sz[64 * g + 32 + j] = n < W.N ? W.zero[n * W.scale_ld + g] : 0.f;
-    }
 }
 
 // A thread's buffer for pack_int4_b: the packed B block (32 × kbytes), the G groups' scales and zero points, and the
