@@ -203,6 +203,13 @@ struct Fp8Bf16Lut {
   }
 };
 
+// The register packings' prefetch (pack_fp8_b, pack_int4_b): byte `ahead` of each of 16 rows (row_bytes apart, `len`
+// bytes of data each) into L1, or past a row's data the same place in the next 16-row half's rows.
+inline void prefetch_rows16(const uint8_t* const* src, int64_t ahead, int64_t len, int64_t row_bytes) {
+  for (int64_t n = 0; n < 16; ++n)
+    _mm_prefetch((const char*)(ahead < len ? src[n] + ahead : src[n] + 16 * row_bytes + ahead - len), _MM_HINT_T0);
+}
+
 // Columns [n0, n0 + 32) of an FP8 weight packed as BF16 for the tile and dot engines (cpu_fp8_gemm=amx /
 // avx512bf16): each row's values times their block scales, rounded to bf16 (as DeepSeek's FP8 → BF16 cast and the
 // onednn variant), laid out as pack_b lays out a BF16 weight. The scales are folded into B, so the sums are the
@@ -227,12 +234,7 @@ void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, 
           block = (32 * kt) / W.group;
           table = Fp8Bf16Lut::make(srow[block], lut);
         }
-        if (kt % 2 == 0)
-          for (int64_t n = 0; n < 16; ++n) {
-            const int64_t ahead = 32 * kt + kAhead;
-            _mm_prefetch((const char*)(ahead < W.K ? src[n] + ahead : src[n] + 16 * W.row_bytes + ahead - W.K),
-                         _MM_HINT_T0);
-          }
+        if (kt % 2 == 0) prefetch_rows16(src, 32 * kt + kAhead, W.K, W.row_bytes);
         __m512i r[16];
         for (int64_t n = 0; n < 16; ++n)
           r[n] = table ? lut.row(src[n] + 32 * kt) : fp8_row32_bf16(W, src[n] + 32 * kt, srow[block]);
@@ -861,12 +863,7 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
       const uint8_t* src[16];
       for (int64_t n = 0; n < 16; ++n) src[n] = W.w + (n0 + 16 * h + n) * W.row_bytes;
       for (int64_t kt = 0; kt < ktiles; ++kt) {
-        if (kt % 2 == 0)
-          for (int64_t n = 0; n < 16; ++n) {
-            const int64_t ahead = 32 * kt + kAhead;
-            _mm_prefetch((const char*)(ahead < W.row_bytes ? src[n] + ahead : src[n] + 16 * W.row_bytes + ahead - W.row_bytes),
-                         _MM_HINT_T0);
-          }
+        if (kt % 2 == 0) prefetch_rows16(src, 32 * kt + kAhead, W.row_bytes, W.row_bytes);
         __m512i r[16];
         for (int64_t n = 0; n < 16; ++n) {
           const __m128i c0 = _mm_loadu_si128((const __m128i*)(src[n] + 32 * kt));
