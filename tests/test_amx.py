@@ -230,6 +230,55 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i, layout):
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
+def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
+    """INT4 r16 weights (groups of 128) on AMX by name from cpu_amx_min_tokens rows (gemm_int4_r16: each r16 line's low and
+    high nibbles are rows of a group's two B tiles, the microkernels' int8 activations as A, each group's exact sums
+    scaled in r16_int4_tile's order): bitwise the r16 microkernels' result, through linear (N in one 16-row block,
+    one and several 32-row blocks; M tails; float32 and bf16 rows, a bf16 output for bf16 rows) and fused MoE (experts
+    on AMX, on the microkernels, and mixed), within the INT4 bound of the reference; the call record names AMX and
+    r16. Only by name (cpu_int4_gemm=amx): auto and unpack keep r16 on the microkernels."""
+    ctx, tag = amx_here(native)
+    g = torch.Generator().manual_seed(41)
+    micro = {"cpu_amx_min_tokens": 4096, "cpu_int4_gemm": "amx"}
+    amx = {"cpu_amx_min_tokens": 1, "cpu_int4_gemm": "amx"}
+    with ctx:
+        for n, k, m in ((16, 128, 5), (48, 256, 33), (96, 384, 70), (64, 128, 1)):
+            w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, 128, symmetric=False)
+            p = cpu.prepare(w, layout="r16")
+            assert p.args[0] == cpu.I4R16_ID
+            x = torch.randn(m, k, generator=g)
+            for xd in (torch.float32, torch.bfloat16):
+                want = cpu.linear(x.to(xd), p, knobs=micro)
+                with cpu.recording() as rec:
+                    got = cpu.linear(x.to(xd), p, knobs=amx)
+                assert {tag, "r16"} <= set(rec[-1]["isa"].split("+")), rec[-1]["isa"]
+                assert got.dtype == xd and torch.equal(got, want), (n, k, m, xd)
+            ref = reference.linear(x, w)
+            assert ((cpu.linear(x, p, knobs=amx) - ref).norm() / ref.norm()).item() <= 2e-2
+            for value in ("auto", "unpack"):  # auto keeps r16 on the microkernels (slower on AMX so far)
+                with cpu.recording() as rec:
+                    cpu.linear(x, p, knobs={**amx, "cpu_int4_gemm": value})
+                assert tag not in rec[-1]["isa"].split("+"), (value, rec[-1]["isa"])
+        d, i = 256, 128
+        w13 = formats.quantize_int4_group(torch.randn(6, 2 * i, d, generator=g) * 0.05, 128, symmetric=False)
+        w2 = formats.quantize_int4_group(torch.randn(6, d, i, generator=g) * 0.05, 128, symmetric=False)
+        p13, p2 = cpu.prepare(w13, layout="r16"), cpu.prepare(w2, layout="r16")
+        assert p13.args[0] == p2.args[0] == cpu.I4R16_ID
+        ids, tw = routing_with_counts((5, 16, 33, 40, 2, 20), g)
+        x = torch.randn(ids.shape[0], d, generator=g)
+        want = cpu.fused_moe(x, p13, p2, tw, ids, knobs=micro)
+        with cpu.recording() as rec:
+            got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=amx)
+        assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
+        assert torch.equal(got, want)  # every expert on one path: each output sums the experts in order
+        mixed = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**amx, "cpu_amx_min_tokens": 16})  # 2 and 5 tokens: microkernels
+        ref = reference.fused_moe(x, w13, w2, tw, ids)
+        for out in (got, mixed):
+            assert ((out - ref).norm() / ref.norm()).item() <= 2e-2
+        assert ((mixed - want).norm() / want.norm()).item() <= 1e-6
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
     """cpu_fp8_gemm=amx (auto's choice for bf16 activations on AMX CPUs): each 32-row block of the FP8
     weight expanded to bf16(value × block scale) as it is packed, then TDPBF16PS, the products the

@@ -971,6 +971,73 @@ void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float
   }
 }
 
+// INT4 r16 weights on AMX (kInt4R16, groups of 128; cpu_int4_gemm amx / auto): no transpose. Line j of a group's
+// 16-row block (16 rows × 4 packed bytes) masked to its low nibbles is row j of the group's first B tile (K 4j .. 4j + 3
+// of the r16 activation order), its high nibbles row j of the second; the int8 activations are the r16 microkernels'
+// (prepare_act: xb in that order, xbs the per-(row, group) scales, gsb scale × Σq), in tile order as A. Per 32 × 32
+// block and group, the group's exact int32 sums (int4_group_sums), then r16_int4_tile's float operations in its order:
+// acc = fmadd(float(sums), s · xs, acc), then acc = fnmadd(s·z, gs, acc). So the result is bitwise the r16
+// microkernels'. Only by name (cpu_int4_gemm=amx): on an AMX VM, fused MoE `small` at 128 tokens x0.58 the
+// microkernels, x0.99-1.08 at 512 (docs/cpu_kernels.md "Session 41").
+template <class T>
+void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const float* gs, int64_t G,
+                       const WeightView& W, int64_t M, const SumsOut& so) {
+  const at::Tensor tiled = a_tile_order(a_rows, kp, M);
+  const uint8_t* ta = tiled.data_ptr<uint8_t>();
+  const int64_t N = W.N, nblocks = (N + 31) / 32, ktiles = kp / 64, mblocks = (M + 31) / 32;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#pragma omp parallel
+  {
+    std::vector<uint8_t> bbuf(ktiles * 2048 + 64);
+    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    alignas(64) int32_t c[32 * 32];
+    alignas(64) float acc[32 * 32];
+    const TileConfig cfg = full_tiles();
+    T::config(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      const int64_t n0 = nb * 32;
+      const bool two = n0 + 16 < N;  // N is whole 16-row blocks: the second may be missing (its B tiles zero)
+      const float* sc[2] = {W.scale + n0 * W.scale_ld, two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
+      const float* sz[2] = {W.zero + n0 * W.scale_ld, two ? W.zero + (n0 + 16) * W.scale_ld : nullptr};
+      for (int64_t h = 0; h < 2; ++h) {
+        if (h == 1 && !two) {
+          for (int64_t kt = 0; kt < ktiles; ++kt) std::memset(b + kt * 2048 + 1024, 0, 1024);
+          continue;
+        }
+        const uint8_t* blk = W.w + (n0 + 16 * h) * W.row_bytes;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < 16; ++j) {
+            const __m512i v = _mm512_loadu_si512((const void*)(blk + 64 * (16 * g + j)));
+            _mm512_store_si512((void*)(b + (2 * g) * 2048 + h * 1024 + 64 * j), _mm512_and_si512(v, nib));
+            _mm512_store_si512((void*)(b + (2 * g + 1) * 2048 + h * 1024 + 64 * j),
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+          }
+      }
+      for (int64_t mb = 0; mb < mblocks; ++mb) {
+        const uint8_t* a0 = ta + 2 * mb * ktiles * 1024;
+        for (int i = 0; i < 32 * 32; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+        const int64_t rows = std::min<int64_t>(32, M - 32 * mb);
+        for (int64_t g = 0; g < G; ++g) {
+          int4_group_sums<T>(a0, a0 + ktiles * 1024, b, 2 * g, 2 * g + 2, c);
+          for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+            const __m512 s = _mm512_loadu_ps(sc[h] + 16 * g), z = _mm512_loadu_ps(sz[h] + 16 * g);
+            for (int64_t i = 0; i < rows; ++i) {
+              const int64_t m = 32 * mb + i;
+              float* ai = acc + 32 * i + 16 * h;
+              const __m512 a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(c + 32 * i + 16 * h))),
+                                                _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g])), _mm512_load_ps(ai));
+              _mm512_store_ps(ai, _mm512_fnmadd_ps(z, _mm512_set1_ps(gs[m * G + g]), a1));
+            }
+          }
+        }
+        so.put_f32(reinterpret_cast<const int32_t*>(acc), rows, mb * 32, n0, M, N);
+      }
+    }
+    T::release();
+  }
+}
+
 }  // namespace
 
 const std::string& amx_unavailable() {
@@ -1470,6 +1537,40 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, b
       }
     }
   }
+  return out;
+}
+
+
+// INT4 r16 weights on AMX (gemm_int4_r16_amx) from the r16 microkernels' prepared activations p (xb, xbs, gsb: prepare_act
+// with the weight's int4_i8 form), rows `rows` of them (null: 0 .. M − 1) → [M, N] float32, or bfloat16 (bf16_out).
+at::Tensor gemm_int4_r16(const PreparedAct& p, const int64_t* rows, int64_t M, const WeightView& W, int engine, bool bf16_out) {
+  TORCH_CHECK(engine == kTilesAmx || engine == kTilesAmxModel, "INT4 r16 GEMM: AMX or its tile model only");
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  TORCH_CHECK(W.fmt == kInt4R16 && W.group == 128 && W.N % 16 == 0 && W.scale && W.zero, "INT4 r16 GEMM: kInt4R16 weights");
+  TORCH_CHECK(p.xb.defined() && p.xbs.defined() && p.gsb.defined(), "INT4 r16 GEMM: the int8 activations of the r16 form");
+  const int64_t kp = p.xb.size(1), G = p.xbs.size(1), mpad = ((M + 31) / 32) * 32;
+  TORCH_CHECK(kp == 2 * W.row_bytes && kp == G * 128, "INT4 r16 GEMM: activations of whole groups");
+  // A: the rows (gathered) into mpad zero-padded rows; their scales and group sums
+  at::Tensor abuf = at::zeros({mpad * kp}, at::kByte), sbuf = at::empty({2, M * G}, at::kFloat);
+  uint8_t* a = abuf.data_ptr<uint8_t>();
+  float *xs = sbuf.data_ptr<float>(), *gs = xs + M * G;
+  const int8_t* xb = p.xb.data_ptr<int8_t>();
+  const float *pxs = p.xbs.data_ptr<float>(), *pgs = p.gsb.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t s0, int64_t e0) {
+    for (int64_t m = s0; m < e0; ++m) {
+      const int64_t r = rows ? rows[m] : m;
+      std::memcpy(a + m * kp, xb + r * kp, kp);
+      std::memcpy(xs + m * G, pxs + r * G, G * sizeof(float));
+      std::memcpy(gs + m * G, pgs + r * G, G * sizeof(float));
+    }
+  });
+  note_used(amx_used(engine) | kUsedR16);
+  at::Tensor out = at::empty({M, W.N}, bf16_out ? at::kBFloat16 : at::kFloat);
+  SumsOut so{out.data_ptr()};
+  so.bf16 = bf16_out;
+  if (engine == kTilesAmx) gemm_int4_r16_amx<AmxHw>(a, kp, xs, gs, G, W, M, so);
+  else gemm_int4_r16_amx<AmxEmu>(a, kp, xs, gs, G, W, M, so);
   return out;
 }
 

@@ -151,7 +151,12 @@ struct WeightView {
   int dot = kDotNone;            // the dot-product variant of the microkernels (int8, int4 int8, bf16, fp8)
   bool act_bf16 = false;         // the call's activations are bf16 (the "auto" variants that round to bf16)
   // The GEMM path (AMX / unpack + BLAS) multiplies float activations: no microkernel-only forms.
-  void no_micro_forms() { int4_int = int4_i8 = fp8_widen = bf16_split = bf16_ymm = false; dot = kDotNone; }
+  // (INT4 r16 keeps its int8 form: its AMX GEMM, gemm_int4_r16, reads those activations)
+  void no_micro_forms() {
+    int4_int = fp8_widen = bf16_split = bf16_ymm = false;
+    int4_i8 = int4_i8 && fmt == kInt4R16;
+    dot = kDotNone;
+  }
 };
 
 // Every per-call knob of kernels/cpu_knobs.py, named as in the catalogue without "cpu_" (bound by

@@ -878,6 +878,8 @@ at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t
     return gemm_fp8_onednn(x.contiguous(), W, kn, at::kBFloat16);
   }
   PreparedAct p = prepare_act(x, W);
+  if (gemm && W.fmt == kInt4R16)  // the r16 microkernels' int8 activations on AMX, in x's dtype
+    return gemm_int4_r16(p, nullptr, M, W, amx_engine(W, kn, M), x.scalar_type() == at::kBFloat16);
   const int int8_engine = gemm ? int8_integer_engine(W, kn, M) : -1;
   if (int8_engine >= 0)  // the integers as they are, scaled in the write-back, in x's dtype
     return gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,

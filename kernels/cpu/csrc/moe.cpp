@@ -95,6 +95,8 @@ void gate_up_gemm(const WeightView& W, const PreparedAct& xa, const int64_t* tok
   if (const int engine = int8_integer_engine(W, kn, n); engine >= 0) {
     g = gemm_int8_prepared(xa.xq.data_ptr<int16_t>(), xa.xq.size(1), xa.xs.data_ptr<float>(), tok, n, W, engine,
                            amx_opts(kn));
+  } else if (W.fmt == kInt4R16) {
+    g = gemm_int4_r16(xa, tok, n, W, amx_engine(W, kn, n));
   } else {
     g = gemm_unpacked(gather_rows(xa, tok, n, D), W, kn);  // [n, 2I]
     if (W.fmt == kInt8)
@@ -114,6 +116,8 @@ void down_gemm(const WeightView& W, const PreparedAct& ha, const Routing& r, int
   if (const int engine = int8_integer_engine(W, kn, n); engine >= 0) {
     y = gemm_int8_prepared(ha.xq.data_ptr<int16_t>(), ha.xq.size(1), ha.xs.data_ptr<float>(), r.slot_idx.data() + off, n,
                            W, engine, amx_opts(kn));
+  } else if (W.fmt == kInt4R16) {
+    y = gemm_int4_r16(ha, r.slot_idx.data() + off, n, W, amx_engine(W, kn, n));
   } else {
     y = gemm_unpacked(gather_rows(ha, r.slot_idx.data() + off, n, I), W, kn);  // [n, D]
     if (W.fmt == kInt8)

@@ -145,6 +145,9 @@ int gemm_dot_engine(const WeightView& W, const Knobs& kn);
 // model (kTilesDotModel) or vpmaddubsw (kTilesMaddubs); activations quantized to int8 per (token,
 // group) inside (amx.cpp).
 at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, bool bf16_out = false);
+// INT4 r16 weights on AMX (or its model) from the r16 microkernels' int8 activations p (rows `rows`, null: 0 .. M − 1).
+at::Tensor gemm_int4_r16(const PreparedAct& p, const int64_t* rows, int64_t M, const WeightView& W, int engine,
+                         bool bf16_out = false);
 // x (bf16) × a BF16 r16 weight through torch's bf16 linear (oneDNN): cpu_gemm_block_n rows at a time restored
 // from r16 into one reused row-major buffer (matmul.cpp); out_dtype: float32 or bf16.
 at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs& kn, at::ScalarType out_dtype);

@@ -451,6 +451,9 @@ class DecodeRunner {
       at::Tensor o = gemm_int8_prepared(p.xq.data_ptr<int16_t>(), p.xq.size(1), p.xs.data_ptr<float>(), nullptr, M, W,
                                         int8_engine, amx_opts(kn));
       std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
+    } else if (gemm && W.fmt == kInt4R16) {
+      at::Tensor o = gemm_int4_r16(p, nullptr, M, W, amx_engine(W, kn, M));
+      std::memcpy(out, o.data_ptr<float>(), M * L.N * sizeof(float));
     } else if (gemm) {
       at::Tensor in = (p.xq.defined() && !p.xf.defined()) ? p.xq.narrow(1, 0, L.K).to(at::kFloat) : p.xf.narrow(1, 0, L.K);
       at::Tensor o = gemm_unpacked(in, W, kn);
