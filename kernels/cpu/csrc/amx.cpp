@@ -977,8 +977,10 @@ void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float
 // (prepare_act: xb in that order, xbs the per-(row, group) scales, gsb scale × Σq), in tile order as A. Per 32 × 32
 // block and group, the group's exact int32 sums (int4_group_sums), then r16_int4_tile's float operations in its order:
 // acc = fmadd(float(sums), s · xs, acc), then acc = fnmadd(s·z, gs, acc). So the result is bitwise the r16
-// microkernels'. Only by name (cpu_int4_gemm=amx): on an AMX VM, fused MoE `small` at 128 tokens x0.58 the
-// microkernels, x0.99-1.08 at 512 (docs/cpu_kernels.md "Session 41").
+// microkernels'. Per task (32 columns) the groups in turn, each unpacked into 4 KiB just before every row block's
+// products with it (an expert's few rows would otherwise read a whole unpacked block back from L2). Only by name
+// (cpu_int4_gemm=amx): on an AMX VM, fused MoE `small` at 128 tokens x0.80 the microkernels, x1.24 at 512
+// (docs/cpu_kernels.md "Session 41").
 template <class T>
 void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const float* gs, int64_t G,
                        const WeightView& W, int64_t M, const SumsOut& so) {
@@ -988,10 +990,12 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
   const __m512i nib = _mm512_set1_epi8(0x0F);
 #pragma omp parallel
   {
-    std::vector<uint8_t> bbuf(ktiles * 2048 + 64);
-    uint8_t* b = bbuf.data() + ((64 - reinterpret_cast<uintptr_t>(bbuf.data()) % 64) % 64);
+    // one group's two B tile pairs (4 KiB, in L1), unpacked just before its products; every row block's
+    // accumulators (4 KiB each) meanwhile
+    alignas(64) uint8_t b[4096];
+    std::vector<float> abuf(mblocks * 1024 + 16);
+    float* accs = abuf.data() + ((64 - reinterpret_cast<uintptr_t>(abuf.data()) % 64) % 64) / 4;
     alignas(64) int32_t c[32 * 32];
-    alignas(64) float acc[32 * 32];
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
@@ -1000,26 +1004,27 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
       const bool two = n0 + 16 < N;  // N is whole 16-row blocks: the second may be missing (its B tiles zero)
       const float* sc[2] = {W.scale + n0 * W.scale_ld, two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
       const float* sz[2] = {W.zero + n0 * W.scale_ld, two ? W.zero + (n0 + 16) * W.scale_ld : nullptr};
-      for (int64_t h = 0; h < 2; ++h) {
-        if (h == 1 && !two) {
-          for (int64_t kt = 0; kt < ktiles; ++kt) std::memset(b + kt * 2048 + 1024, 0, 1024);
-          continue;
-        }
-        const uint8_t* blk = W.w + (n0 + 16 * h) * W.row_bytes;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < 16; ++j) {
-            const __m512i v = _mm512_loadu_si512((const void*)(blk + 64 * (16 * g + j)));
-            _mm512_store_si512((void*)(b + (2 * g) * 2048 + h * 1024 + 64 * j), _mm512_and_si512(v, nib));
-            _mm512_store_si512((void*)(b + (2 * g + 1) * 2048 + h * 1024 + 64 * j),
-                               _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-          }
+      if (!two) {
+        std::memset(b + 1024, 0, 1024);
+        std::memset(b + 3072, 0, 1024);
       }
-      for (int64_t mb = 0; mb < mblocks; ++mb) {
-        const uint8_t* a0 = ta + 2 * mb * ktiles * 1024;
-        for (int i = 0; i < 32 * 32; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-        const int64_t rows = std::min<int64_t>(32, M - 32 * mb);
-        for (int64_t g = 0; g < G; ++g) {
-          int4_group_sums<T>(a0, a0 + ktiles * 1024, b, 2 * g, 2 * g + 2, c);
+      for (int64_t i = 0; i < mblocks * 1024; i += 16) _mm512_store_ps(accs + i, _mm512_setzero_ps());
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+          const uint8_t* blk = W.w + (n0 + 16 * h) * W.row_bytes + 64 * 16 * g;
+          for (int64_t j = 0; j < 16; ++j) {
+            const __m512i v = _mm512_loadu_si512((const void*)(blk + 64 * j));
+            _mm512_store_si512((void*)(b + h * 1024 + 64 * j), _mm512_and_si512(v, nib));
+            _mm512_store_si512((void*)(b + 2048 + h * 1024 + 64 * j), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+          }
+        }
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+          const uint8_t* a0 = ta + 2 * mb * ktiles * 1024;
+          const int64_t rows = std::min<int64_t>(32, M - 32 * mb);
+          // b holds the group's K tiles 2g, 2g + 1 at 0 and 2 KiB: A from the group's first K tile
+          const uint8_t* ag = a0 + 2 * g * 1024;
+          int4_group_sums<T>(ag, ag + ktiles * 1024, b, 0, 2, c);
+          float* acc = accs + mb * 1024;
           for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
             const __m512 s = _mm512_loadu_ps(sc[h] + 16 * g), z = _mm512_loadu_ps(sz[h] + 16 * g);
             for (int64_t i = 0; i < rows; ++i) {
@@ -1031,8 +1036,9 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
             }
           }
         }
-        so.put_f32(reinterpret_cast<const int32_t*>(acc), rows, mb * 32, n0, M, N);
       }
+      for (int64_t mb = 0; mb < mblocks; ++mb)
+        so.put_f32(reinterpret_cast<const int32_t*>(accs + mb * 1024), std::min<int64_t>(32, M - 32 * mb), mb * 32, n0, M, N);
     }
     T::release();
   }
