@@ -971,7 +971,7 @@ void gemm_int4_amx(const int8_t* a, int64_t kbytes, const float* xs, const float
   }
 }
 
-// INT4 r16 weights on AMX (kInt4R16, groups of 128; cpu_int4_gemm amx / auto): no transpose. Line j of a group's
+// INT4 r16 weights on AMX (kInt4R16, groups of 128; cpu_int4_gemm=amx): no transpose. Line j of a group's
 // 16-row block (16 rows × 4 packed bytes) masked to its low nibbles is row j of the group's first B tile (K 4j .. 4j + 3
 // of the r16 activation order), its high nibbles row j of the second; the int8 activations are the r16 microkernels'
 // (prepare_act: xb in that order, xbs the per-(row, group) scales, gsb scale × Σq), in tile order as A. Per 32 × 32
@@ -1062,6 +1062,12 @@ const std::string& amx_unavailable() {
     return std::string();
   }();
   return reason;
+}
+
+// Before a GEMM on the hardware engine (kTilesAmx; its model kTilesAmxModel runs anywhere): AMX must run here.
+static void check_amx_engine(int engine) {
+  if (engine == kTilesAmx)
+    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
 }
 
 // x_act [M, K] float32 (INT8: the quantized integers, exact in float32; BF16: rounded to bf16 here) or
@@ -1330,20 +1336,17 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 }  // namespace
 
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
-  const int f = rows_format(W.fmt);
-  const int64_t data_bytes = W.K * (f == kInt8 ? 1 : 2);
-  // r16: whole K tiles in each 16-row block's stream (no staged tail)
-  const bool in_place = is_r16(W.fmt) ? W.row_bytes == data_bytes && data_bytes % 64 == 0 : amx_direct_ok(W, data_bytes);
+  const int f = rows_format(W.fmt);  // INT8 / BF16, row-major or r16
+  // whole 64-byte K tiles in every row (row-major) or 16-row block's stream (r16: no staged tail)
   return (engine == kTilesAmx || engine == kTilesAmxModel) && ((f == kInt8 && W.scale) || f == kBF16) &&
-         (W.fmt == f || W.fmt == kInt8R16 || W.fmt == kBF16R16) && n <= ao.direct_max && in_place && W.N % 32 == 0;
+         n <= ao.direct_max && amx_direct_ok(W, W.K * (f == kInt8 ? 1 : 2)) && W.N % 32 == 0;
 }
 
 void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,
                          int engine, const AmxOpts& ao) {
   if (ex.empty()) return;
   TORCH_CHECK(I % 32 == 0 && ex[0].w.N == 2 * I, "grouped MoE gate/up: whole 32-row blocks of gate and up");
-  if (engine == kTilesAmx)
-    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  check_amx_engine(engine);
   const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
   const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
   if (engine == kTilesAmx) (int8 ? gate_up_grouped<AmxHw, true> : gate_up_grouped<AmxHw, false>)(ex, B, xs, I, ao.prefetch);
@@ -1354,8 +1357,7 @@ void moe_down_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t l
                       float* out, int engine, const AmxOpts& ao) {
   if (ex.empty()) return;
   TORCH_CHECK(D % 32 == 0 && ex[0].w.N == D, "grouped MoE down: whole 32-row blocks of the output");
-  if (engine == kTilesAmx)
-    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  check_amx_engine(engine);
   const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
   const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
   if (engine == kTilesAmx) (int8 ? down_grouped<AmxHw, true> : down_grouped<AmxHw, false>)(ex, B, xs, D, out, ao.prefetch);
@@ -1371,8 +1373,7 @@ at::Tensor gemm_int8_prepared(const int16_t* xq, int64_t ld, const float* xs, co
   TORCH_CHECK(!dot || W.wsum, "INT8 GEMM from integers: vpdpbusd needs the weight's row sums");
   if (engine == kTilesDot)
     TORCH_CHECK(usable_features() & kFeatVnni, "tile GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
-  if (engine == kTilesAmx)
-    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  check_amx_engine(engine);
   // A in blocks of 8 rows (gemm_dot's dot block, kMaddubsMBlock), or 32 (AMX's 2 × 2 tiles)
   const int64_t K = W.K, kbytes = ((K + 63) / 64) * 64, mb = amx ? 32 : 8, mpad = ((M + mb - 1) / mb) * mb;
   at::Tensor abuf = at::empty({mpad * kbytes}, at::kByte), sbuf = at::empty({M}, at::kFloat);
@@ -1480,8 +1481,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, b
   TORCH_CHECK(engine == kTilesDot || engine == kTilesDotModel || engine == kTilesMaddubs || amx, "INT4 GEMM: unknown engine ", engine);
   const bool model = engine == kTilesDotModel;
   TORCH_CHECK(!amx || W.group % 64 == 0, "INT4 GEMM on AMX: groups of a multiple of 64 (whole K tiles)");
-  if (engine == kTilesAmx)
-    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  check_amx_engine(engine);
   TORCH_CHECK(W.fmt == kInt4 && W.scale && W.zero && W.group % 32 == 0, "INT4 GEMM: INT4 weights in groups of a multiple of 32");
   TORCH_CHECK(engine != kTilesDot || (usable_features() & kFeatVnni), "INT4 GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == W.K && x_act.scalar_type() == at::kFloat, "INT4 GEMM: x float32 [M, K]");
@@ -1551,8 +1551,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, b
 // with the weight's int4_i8 form), rows `rows` of them (null: 0 .. M − 1) → [M, N] float32, or bfloat16 (bf16_out).
 at::Tensor gemm_int4_r16(const PreparedAct& p, const int64_t* rows, int64_t M, const WeightView& W, int engine, bool bf16_out) {
   TORCH_CHECK(engine == kTilesAmx || engine == kTilesAmxModel, "INT4 r16 GEMM: AMX or its tile model only");
-  if (engine == kTilesAmx)
-    TORCH_CHECK(usable_features() & kFeatAmx, "AMX GEMM: ", amx_unavailable().empty() ? "AMX is masked off" : amx_unavailable());
+  check_amx_engine(engine);
   TORCH_CHECK(W.fmt == kInt4R16 && W.group == 128 && W.N % 16 == 0 && W.scale && W.zero, "INT4 r16 GEMM: kInt4R16 weights");
   TORCH_CHECK(p.xb.defined() && p.xbs.defined() && p.gsb.defined(), "INT4 r16 GEMM: the int8 activations of the r16 form");
   const int64_t kp = p.xb.size(1), G = p.xbs.size(1), mpad = ((M + 31) / 32) * 32;
