@@ -312,6 +312,15 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "tiles where they lie, each once from memory, and the activations are packed instead (no weight "
          "packing, which costs a pass over the weight for rows it barely serves); from more rows, 32-row "
          "weight blocks are packed once and serve every row block (0: always packed)", low=0, high=4096),
+    Knob("cpu_amx_fp8_direct_max_tokens", int, 128, "kernels/cpu",
+         "CPU AMX GEMM, FP8 weights (cpu_fp8_gemm amx or auto): up to this many rows (tokens per expert in fused MoE) "
+         "each 32-row weight block is expanded to bf16 rows (value x block scale, rounded: the packed path's values) "
+         "into a thread's buffer and read as A tiles against the packed activations, each block once per call; from "
+         "more rows the packed nest (blocks expanded to bf16 as B tiles, a 16 x 16 transpose of bf16 pairs each; 0: "
+         "always packed). Bitwise the same result. Measured on an AMX VM (Xeon, family 6 model 167 as KVM reports "
+         "it, 2 threads; weights from DRAM), the expanded rows against the packed nest: [11264, 2048] x1.45 / x1.27 / "
+         "x1.14 / x1.18 / x1.12 / x0.97 at 8 / 32 / 64 / 128 / 256 / 512 rows, [2048, 5632] x1.48 / x1.14 / x0.76 at "
+         "64 / 128 / 512; fused MoE `small` x1.46 at 128 tokens, x1.11 at 512", low=0, high=4096),
     Knob("cpu_amx_n_group", int, 4, "kernels/cpu",
          "CPU AMX GEMM (packed or r16 weights, from cpu_amx_direct_max_tokens rows): 32-column weight blocks per "
          "parallel task; within each K pass (cpu_amx_k_block) every block of the group meets every 32-row block of "
@@ -328,8 +337,9 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "warm in L3, groups of 8, K passes of 512: 64 / 128 / 256 rows x1.27 / x1.25 / x1.21 the one-block nest, BF16; "
          "INT8 x1.38 / x1.35 / x1.34)", choices=(0, 64, 128, 256, 512, 1024, 2048)),
     Knob("cpu_moe_gemm_experts", str, "grouped", "kernels/cpu",
-         "CPU fused MoE, INT8 and BF16 experts on the GEMM path that AMX runs on the weights in place (row-major rows "
-         "as A tiles, r16 blocks as B tiles; from cpu_amx_min_tokens to cpu_amx_direct_max_tokens tokens): all of them in one parallel region per phase "
+         "CPU fused MoE, INT8, BF16 and FP8 experts on the GEMM path that AMX runs on the weights in place (row-major rows "
+         "as A tiles, r16 blocks as B tiles, FP8 rows expanded to bf16 first; from cpu_amx_min_tokens to "
+         "cpu_amx_direct_max_tokens tokens, FP8 cpu_amx_fp8_direct_max_tokens): all of them in one parallel region per phase "
          "(grouped: tasks of an expert's 32 gate and up rows with SiLU fused, then of 32 output columns over every "
          "such expert; no per-expert output tensors, SiLU pass or index_add_), or one GEMM call per expert with all "
          "threads (each); the call record's isa names grouped (+grouped) where it ran. Bitwise the same result where every GEMM-path expert is grouped (else the experts' sums "
@@ -376,12 +386,13 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "block scale rounded to bf16, as DeepSeek's FP8 → BF16 cast) and torch's bf16 linear, i.e. oneDNN, on "
          "activations rounded to bf16 with a bf16 output (onednn), or our tile GEMM on vdpbf16ps over the same "
          "bf16 values, expanded per 32-row block as it is packed (avx512bf16; needs AVX512-BF16, else unpack), or "
-         "the same packing into AMX tiles from cpu_amx_min_tokens rows (amx; needs AMX, else unpack; measured "
+         "the same values on AMX tiles from cpu_amx_min_tokens rows (amx; needs AMX, else unpack: each 32-row block "
+         "expanded to bf16 rows as A tiles up to cpu_amx_fp8_direct_max_tokens rows, else packed as B tiles; measured "
          "on an AMX VM: linear [11264, 2048] / [32000, 2048] x1.72-1.83 onednn at 128 tokens, x1.49-1.56 at 512); "
          "auto, for activations that are bf16 already: amx where the CPU has AMX (avx512bf16 below "
          "cpu_amx_min_tokens), avx512bf16 where it has AVX512-BF16, else unpack (float32 activations: unpack). "
-         "FP8 takes the GEMM path from cpu_gemm_min_tokens rows only (fused MoE at 12-16 tokens per expert stays on "
-         "the microkernels: AMX there measured x0.72-0.76 of them)",
+         "FP8 takes the GEMM path from cpu_gemm_min_tokens rows, or from cpu_amx_min_tokens where AMX runs it (fused "
+         "MoE `small` at 128 / 512 tokens on an AMX VM: the microkernels x0.47 / x0.18 of AMX's expanded rows)",
          choices=("auto", "unpack", "onednn", "avx512bf16", "amx")),
     Knob("cpu_int8_gemm", str, "auto", "kernels/cpu",
          "CPU linear / fused MoE (tokens per expert) with INT8 weights on the GEMM path (from "

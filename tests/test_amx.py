@@ -172,9 +172,9 @@ def routing_with_counts(counts, g):
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt, layout", [("int8", "rows"), ("int8", "r16"), ("bf16", "rows"), ("bf16", "r16"),
+                                         ("fp8", "rows")])  # (FP8 r16 has no AMX form: its stacks stay on the microkernels)
 @pytest.mark.parametrize("d, i", [(128, 64), (192, 96), (256, 48)], ids=["both", "gate_up_only", "neither"])
-@pytest.mark.parametrize("layout", ["rows", "r16"])
 def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i, layout):
     """cpu_moe_gemm_experts=grouped (the INT8 and BF16 experts AMX runs in place, one parallel region per phase; SiLU in
     phase 1's tasks, phase 2 accumulating over the experts per 32 output columns) against one GEMM call per expert
@@ -183,12 +183,15 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i, layout):
     cpu_amx_direct_max_tokens. Phases that cannot be grouped (I not in whole 32-row blocks, K not in whole 64-byte
     tiles) run each. With an expert past cpu_amx_direct_max_tokens (packed: one call) the experts' sums meet a token
     in another order: within 1e-6 then. r16 stacks (their 16-row blocks read in place as B tiles against the tokens'
-    A tiles) give the row-major stacks' outputs bit for bit, grouped or not."""
+    A tiles) give the row-major stacks' outputs bit for bit, grouped or not. FP8 experts (rows expanded to bf16 per
+    task, in place of reading them where they lie; any K, so the down phase groups with I = 48 too) the same way."""
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(31)
     base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 16,
-            "cpu_amx_direct_max_tokens": 64, "cpu_bf16_gemm": "amx"}
-    make = formats.quantize_int8_channel if fmt == "int8" else (lambda t: formats.DenseWeight(t.bfloat16()))
+            "cpu_amx_direct_max_tokens": 64, "cpu_amx_fp8_direct_max_tokens": 64, "cpu_bf16_gemm": "amx",
+            "cpu_fp8_gemm": "amx"}
+    make = {"int8": formats.quantize_int8_channel, "fp8": formats.quantize_fp8_block,
+            "bf16": lambda t: formats.DenseWeight(t.bfloat16())}[fmt]
     w13 = make(torch.randn(6, 2 * i, d, generator=g) * 0.05)
     w2 = make(torch.randn(6, d, i, generator=g) * 0.05)
     p13, p2 = cpu.prepare(w13, layout=layout), cpu.prepare(w2, layout=layout)
@@ -202,7 +205,9 @@ def test_grouped_moe_experts_equal_one_call_each(native, fmt, d, i, layout):
                 got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "grouped"})
             assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
             # the call record names the grouped phases (I in whole 32-row blocks and D in whole 64-byte K tiles)
-            assert ("grouped" in rec[-1]["isa"].split("+")) == (i % 32 == 0 and d * (1 if fmt == "int8" else 2) % 64 == 0)
+            grouped = (i % 32 == 0 or d % 32 == 0) if fmt == "fp8" else (i % 32 == 0 and d * (1 if fmt == "int8" else 2) % 64 == 0)
+            assert ("grouped" in rec[-1]["isa"].split("+")) == grouped
+            assert ("fp8rows" in rec[-1]["isa"].split("+")) == (fmt == "fp8")
             with cpu.recording() as rec:
                 each = cpu.fused_moe(x, p13, p2, tw, ids, knobs={**base, "cpu_moe_gemm_experts": "each"})
             assert "grouped" not in rec[-1]["isa"].split("+")
@@ -294,7 +299,7 @@ def test_fp8_on_amx_expands_blocks_to_bf16_as_it_packs(native):
             ref = reference.linear(x.float(), w)
             with cpu.recording() as rec:
                 got = cpu.linear(x, w, knobs={**base, "cpu_fp8_gemm": "amx"})
-            assert rec[-1]["isa"] == tag
+            assert rec[-1]["isa"] == tag + "+fp8rows"  # 9 and 40 rows: the blocks expanded to bf16 rows as A tiles
             assert got.dtype == torch.bfloat16
             assert ((got.float() - ref).norm() / ref.norm()).item() <= 1e-2
             # the vdpbf16ps GEMM, on its model where the CPU lacks it (beside AMX's model when that runs)
@@ -332,10 +337,13 @@ def fp8_bf16_cast(w: formats.Fp8BlockWeight) -> torch.Tensor:
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])
 def test_fp8_packing_in_registers_gives_the_bf16_cast_bit_for_bit(native):
     """pack_fp8_b's two forms (whole 32-row blocks: FP8 bytes to bf16 through a per-block table and a register
-    transpose; the rest: float32 products into scratch rows, then pack_b) give the BF16 engines the bf16 cast of the
-    weight exactly: the FP8 linear on AMX (and on the vdpbf16ps GEMM) equals the BF16 linear of the cast weight bit
-    for bit. Every byte value (NaN, denormals, ±0), scale blocks of 128 × 128, 64 × 96 and 40 × 64 (the scratch
-    form), K with and without a tail of 32, an N tail, and scales the table refuses (0, negative, tiny, huge)."""
+    transpose; the rest: float32 products into scratch rows, then pack_b) and the expanded rows of the in-place path
+    (Fp8RowsBf16: the same table per scale block and row, the float32 form where it refuses a scale or K has a tail;
+    cpu_amx_fp8_direct_max_tokens, the call record's fp8rows) give the BF16 engines the bf16 cast of the weight
+    exactly: the FP8 linear on AMX, either way (and on the vdpbf16ps GEMM), equals the BF16 linear of the cast weight
+    bit for bit. Every byte value (NaN, denormals, ±0), scale blocks of 128 × 128, 64 × 96 and 40 × 64 (the scratch
+    form; a 32-row block under two scale rows), K with and without a tail of 32, an N tail, and scales the table
+    refuses (0, negative, tiny, huge)."""
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(23)
     base = {"cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1, "cpu_amx_min_tokens": 8}
@@ -354,14 +362,15 @@ def test_fp8_packing_in_registers_gives_the_bf16_cast_bit_for_bit(native):
             w = formats.Fp8BlockWeight(q.view(n, k).view(torch.float8_e4m3fn), scale, block)
             cast = cpu.prepare(formats.DenseWeight(fp8_bf16_cast(w)), layout="rows")
             x = torch.randn(40, k, generator=g).bfloat16()
-            with cpu.recording() as rec:
-                got = cpu.linear(x, w, knobs={**base, "cpu_fp8_gemm": "amx"})
-            assert rec[-1]["isa"] == tag
             want = cpu.linear(x, cast, knobs={**base, "cpu_bf16_gemm": "amx"})
             finite = torch.isfinite(want)
             assert finite.float().mean() > 0.2
-            assert torch.equal(got[finite], want[finite]), ((n, k), block)
-            assert torch.equal(torch.isfinite(got), finite)
+            for direct, form in ((0, ""), (128, "+fp8rows")):  # packed B tiles; rows as A tiles
+                with cpu.recording() as rec:
+                    got = cpu.linear(x, w, knobs={**base, "cpu_fp8_gemm": "amx", "cpu_amx_fp8_direct_max_tokens": direct})
+                assert rec[-1]["isa"] == tag + form
+                assert torch.equal(got[finite], want[finite]), ((n, k), block, direct)
+                assert torch.equal(torch.isfinite(got), finite)
             models = (["amx"] if not native else []) + ([] if "avx512_bf16" in cpu.detected_features() else ["avx512_bf16"])
             with cpu.emulate(models):
                 knobs = {**base, "cpu_amx_min_tokens": 4096}

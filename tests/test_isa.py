@@ -742,8 +742,9 @@ def test_fp8_gemm_onednn_is_torch_linear_on_the_bf16_cast(shape):
     check(below, reference.linear(x[:3].bfloat16(), w), BF16_LINEAR, "below the threshold")
     auto = "avx512bf16" if "avx512_bf16" in HAS else UNPACK  # AMX off here (MICRO: cpu_amx_min_tokens 4096)
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32})[1] == auto
-    amx = {"cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 32}  # auto takes AMX first where it runs
-    assert run_linear(x.bfloat16(), w, amx)[1] == ("amx" if "amx" in HAS else auto)
+    # auto takes AMX first where it runs (here with the blocks expanded to bf16 rows as A tiles: fp8rows)
+    amx = {"cpu_gemm_min_tokens": 32, "cpu_amx_min_tokens": 32, "cpu_amx_fp8_direct_max_tokens": 4096}
+    assert run_linear(x.bfloat16(), w, amx)[1] == ("amx+fp8rows" if "amx" in HAS else auto)
     assert run_linear(x, w, amx)[1] == UNPACK
     assert run_linear(x, w, {"cpu_gemm_min_tokens": 32})[1] == UNPACK  # float32 activations: not rounded by auto
     assert run_linear(x.bfloat16(), w, {"cpu_gemm_min_tokens": 32, "cpu_fp8_gemm": "unpack"})[1] == UNPACK

@@ -164,7 +164,7 @@ def recording() -> Iterator[list[dict]]:
     """`with cpu.recording() as rec:` each linear / fused_moe / attention call of the cpu kernels in
     the block appends {"op", "format", "tokens", "knobs" (cpu_* name → value it used), "isa" (the
     instruction variants it ran, "+"-joined: avx512, vnni, vnni-model, avx512bf16, avx512bf16-model,
-    amx, blas, onednn, fma, maddubs, amx-model, avx2)} to `rec`. Off (one global test per call) outside the block."""
+    amx, blas, onednn, fma, maddubs, amx-model, avx2; and beside them the forms r16, grouped, fp8rows)} to `rec`. Off (one global test per call) outside the block."""
     global _records
     previous, rec = _records, []
     _records = rec

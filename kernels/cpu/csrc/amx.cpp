@@ -180,17 +180,25 @@ void pack_scratch_b(const uint8_t* rows, int64_t kbytes, int fmt, uint8_t* b) {
 struct Fp8Bf16Lut {
   __m512i t;  // T[m] − (7 << 7) in every 16-bit lane i with i % 8 = m (vpermw reads an index's low 5 bits)
   static bool make(float s, Fp8Bf16Lut& out) {
-    alignas(64) uint16_t t[32];
-    for (int m = 0; m < 8; ++m) {
-      const float p = (1.0f + m / 8.0f) * s;  // (1 + m/8) is exact in float32: one rounding, the kernel's
-      uint32_t b;
-      std::memcpy(&b, &p, 4);
-      const uint32_t r = (b + ((b >> 16) & 1) + 0x7FFF) >> 16;  // bf16x16's rounding
-      // every product ±2^(e−7)·p normal and finite for e ∈ [0, 15], before and after the rounding; s > 0 and normal
-      if ((b >> 31) || ((b >> 23) & 0xFF) < 8 || ((r >> 7) & 0xFF) > 246) return false;
-      for (int i = m; i < 32; i += 8) t[i] = (uint16_t)(r - (7u << 7));
-    }
-    out.t = _mm512_load_si512(t);
+    // the 8 products (1 + m/8)·s (1 + m/8 is exact in float32: one rounding, the kernel's), in 8 lanes
+    const __m256i b = _mm256_castps_si256(
+        _mm256_mul_ps(_mm256_setr_ps(1.f, 1.125f, 1.25f, 1.375f, 1.5f, 1.625f, 1.75f, 1.875f), _mm256_set1_ps(s)));
+    const __m256i r = _mm256_srli_epi32(  // bf16x16's rounding
+        _mm256_add_epi32(_mm256_add_epi32(b, _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))),
+                         _mm256_set1_epi32(0x7FFF)),
+        16);
+    // every product ±2^(e−7)·p normal and finite for e ∈ [0, 15], before and after the rounding; s > 0 and normal
+    const __m256i eb = _mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xFF));
+    const __m256i er = _mm256_and_si256(_mm256_srli_epi32(r, 7), _mm256_set1_epi32(0xFF));
+    const __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), b),
+                                        _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), eb),
+                                                        _mm256_cmpgt_epi32(er, _mm256_set1_epi32(246))));
+    if (!_mm256_testz_si256(bad, bad)) return false;
+    // T[m] − (7 << 7) is the low half of 32-bit lane m, 16-bit lane 2m: into every lane i with i % 8 = m
+    const __m256i v = _mm256_sub_epi32(r, _mm256_set1_epi32(7 << 7));
+    const __m512i idx = _mm512_set_epi16(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0,
+                                         14, 12, 10, 8, 6, 4, 2, 0);
+    out.t = _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(v));
     return true;
   }
   // the 32 bytes at p (one weight row's K tile) as 32 bf16, in order
@@ -200,6 +208,54 @@ struct Fp8Bf16Lut {
     const __m512i expo = _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0780));  // e << 7
     const __m512i v = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x7F)), mant, expo);
     return _mm512_xor_si512(v, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000)));
+  }
+};
+
+// FP8 weight rows expanded to bf16 row-major (value × block scale, rounded: fp8_row_bf16's bits, by Fp8Bf16Lut where it
+// holds), for AMX's A operand (gemm_direct, the grouped MoE): no transpose, each 32-byte K tile of a row one table
+// lookup. 32 rows from r0 into dst (rows ld bytes apart, each kbytes long: zero past K, and rows past N zero), row by
+// row: a block's rows follow each other in memory, one stream, prefetched pf bytes ahead (0: none). The tables of a
+// scale row are made once and kept while the rows converted next share it (the scales' address: another weight's
+// may sit at the same row index).
+struct Fp8RowsBf16 {
+  std::vector<Fp8Bf16Lut> lut;
+  std::vector<char> ok;
+  const float* srow = nullptr;
+  int64_t groups = 0;
+  void rows(const WeightView& W, int64_t r0, int64_t kbytes, int64_t ld, int64_t pf, uint8_t* dst) {
+    const bool tables = W.K % 32 == 0 && W.group > 0 && W.group % 32 == 0;
+    for (int64_t n = 0; n < 32; ++n) {
+      uint8_t* d = dst + n * ld;
+      const int64_t r = r0 + n;
+      if (r >= W.N || !tables) {
+        if (r < W.N) fp8_row_bf16(W, r, reinterpret_cast<uint16_t*>(d));
+        const int64_t done = r < W.N ? 2 * W.K : 0;
+        std::memset(d + done, 0, kbytes - done);
+        continue;
+      }
+      const float* sc = W.scale + (r / W.block_n) * W.scale_ld;
+      const int64_t ng = (W.K + W.group - 1) / W.group;
+      if (sc != srow || ng != groups) {
+        srow = sc, groups = ng;
+        lut.resize(ng);
+        ok.resize(ng);
+        for (int64_t g = 0; g < ng; ++g) ok[g] = Fp8Bf16Lut::make(sc[g], lut[g]);
+      }
+      const uint8_t* src = W.w + r * W.row_bytes;
+      for (int64_t g = 0; g < ng; ++g) {  // group g: K tiles [k0, k1) of 32 values
+        const int64_t k0 = g * W.group, k1 = std::min<int64_t>(W.K, k0 + W.group);
+        if (ok[g]) {
+          const Fp8Bf16Lut& t = lut[g];
+          for (int64_t k = k0; k < k1; k += 32) {
+            if (pf > 0) _mm_prefetch((const char*)(src + k + pf), _MM_HINT_T0);
+            _mm512_storeu_si512((void*)(d + 2 * k), t.row(src + k));
+          }
+        } else {
+          for (int64_t k = k0; k < k1; k += 32) _mm512_storeu_si512((void*)(d + 2 * k), fp8_row32_bf16(W, src + k, sc[g]));
+        }
+      }
+      std::memset(d + 2 * W.K, 0, kbytes - 2 * W.K);
+    }
   }
 };
 
@@ -228,10 +284,11 @@ void pack_fp8_b(const WeightView& W, int64_t n0, int64_t kbytes, uint8_t* rows, 
       const float* srow = W.scale + ((n0 + 16 * h) / W.block_n) * W.scale_ld;
       Fp8Bf16Lut lut;
       bool table = false;
-      int64_t block = -1;
+      int64_t block = -1, next = 0;  // K tile kt's scale block, and the element where the next one starts
       for (int64_t kt = 0; kt < ktiles; ++kt) {
-        if ((32 * kt) / W.group != block) {
-          block = (32 * kt) / W.group;
+        if (32 * kt == next) {  // (no division per K tile)
+          ++block;
+          next += W.group;
           table = Fp8Bf16Lut::make(srow[block], lut);
         }
         if (kt % 2 == 0) prefetch_rows16(src, 32 * kt + kAhead, W.K, W.row_bytes);
@@ -584,6 +641,9 @@ void gemm_nest(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64
 inline bool amx_direct_ok(const WeightView& W, int64_t data_bytes) {
   return W.fmt != kFp8 && W.row_bytes == data_bytes && data_bytes % 64 == 0;
 }
+// (FP8 takes the in-place path's loop, up to cpu_amx_fp8_direct_max_tokens rows, with each 32-row block expanded to
+// bf16 rows first: Fp8RowsBf16, no transpose, where the packed nest's pack_fp8_b transposes every 16 × 16 block of
+// bf16 pairs into a B tile; any K and N)
 
 // One block of 32 weight rows (A tiles 4 / 5: rows 0-15 / 16-31 at w, stride ld) × up to 32 tokens (B tiles
 // 6 / 7 at bt and bt + ktiles KiB; `two`: the second token tile is used) over all of K, each weight row
@@ -604,12 +664,9 @@ MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, i
   store_sums<T>(s, 64, 256, 512);
 }
 
-// direct_block's sums for 32 weight rows × up to 32 tokens, transposed into c[token][32 weight rows] (st, tr: scratch).
-template <class T, bool Int8>
-inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf, int32_t* st,
-                        int32_t* tr, int32_t* c) {
-  direct_block<T, Int8>(w, ld, bt, ktiles, two, pf, st);
-  // tile (i, j) = weight rows 16i.., tokens 16j..: transposed into c[token][32 weight rows]
+// direct_block's 4 sum tiles st (tile (i, j) = weight rows 16i.., tokens 16j..; j = 0 only without `two`) transposed
+// into c[token][32 weight rows] (tr: scratch)
+inline void transpose_sums(const int32_t* st, bool two, int32_t* tr, int32_t* c) {
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < (two ? 2 : 1); ++j) {
       const int32_t* q = st + 256 * (2 * i + j);
@@ -618,6 +675,14 @@ inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t
       transpose16_u32(src, 0, reinterpret_cast<uint8_t*>(tr));
       for (int t = 0; t < 16; ++t) std::memcpy(c + (16 * j + t) * 32 + 16 * i, tr + 16 * t, 64);
     }
+}
+
+// direct_block's sums for 32 weight rows × up to 32 tokens, transposed into c[token][32 weight rows] (st, tr: scratch).
+template <class T, bool Int8>
+inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf, int32_t* st,
+                        int32_t* tr, int32_t* c) {
+  direct_block<T, Int8>(w, ld, bt, ktiles, two, pf, st);
+  transpose_sums(st, two, tr, c);
 }
 
 template <class T, bool Int8>
@@ -634,24 +699,36 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
       transpose16_u32(rows, 64 * kt, b + i * 1024);
     }
   });
-  const int64_t ld = W.row_bytes;
+  // FP8: each block's 32 rows expanded to bf16 rows in a thread's buffer (Fp8RowsBf16), rows a line more than
+  // kbytes apart (a 4 KiB multiple would put a tile's 16 rows in one L1 set); a task takes the blocks of one scale
+  // row together (DeepSeek's 128 rows: 4 blocks), whose tables are made once
+  const bool fp8 = W.fmt == kFp8;
+  if (fp8) note_used(kUsedFp8Rows);
+  const int64_t ld = fp8 ? kbytes + 64 : W.row_bytes;
+  const int chunk = fp8 ? (int)std::max<int64_t>(1, W.block_n / 32) : 1;
 #pragma omp parallel
   {
     alignas(64) int32_t st[4 * 256], tr[256], c[32 * 32];
     std::vector<uint8_t> tail;  // the last block's rows past N: zeros (the weight's own rows stop at N)
+    std::vector<uint8_t> wbuf(fp8 ? 32 * ld + 64 : 0);
+    uint8_t* wb = fp8 ? wbuf.data() + ((64 - reinterpret_cast<uintptr_t>(wbuf.data()) % 64) % 64) : nullptr;
+    Fp8RowsBf16 conv;
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       const uint8_t* w = W.w + nb * 32 * ld;
-      if (nb * 32 + 32 > N) {
+      if (fp8) {
+        conv.rows(W, nb * 32, kbytes, ld, pf, wb);
+        w = wb;
+      } else if (nb * 32 + 32 > N) {
         tail.assign(32 * ld, 0);
         std::memcpy(tail.data(), w, (N - nb * 32) * ld);
         w = tail.data();
       }
       for (int64_t tt = 0; tt < ttiles; tt += 2) {
         const bool two = tt + 1 < ttiles;
-        direct_sums<T, Int8>(w, ld, b + tt * ktiles * 1024, ktiles, two, pf, st, tr, c);
+        direct_sums<T, Int8>(w, ld, b + tt * ktiles * 1024, ktiles, two, fp8 ? 0 : pf, st, tr, c);
         const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - 16 * tt);
         if constexpr (Int8) so.put(c, rows, 16 * tt, nb * 32, M, N);
         else so.put_f32(c, rows, 16 * tt, nb * 32, M, N);
@@ -669,7 +746,8 @@ void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_
   if (is_r16(W.fmt)) {
     note_used(kUsedR16);  // the layout, beside the engine
     gemm_nest<T, Int8, R16B>(a_rows, kbytes, W, data_bytes, so, M, ao);
-  } else if (M <= ao.direct_max && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
+  } else if (M <= ao.direct_rows(W) && (amx_direct_ok(W, data_bytes) || W.fmt == kFp8))
+    gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
   else gemm_nest<T, Int8, PackedB>(a_rows, kbytes, W, data_bytes, so, M, ao);
 }
 
@@ -1253,12 +1331,33 @@ inline __m512 grouped_value16(const int32_t* c, const float* xs, int64_t row, co
 // c[token][32 weight rows]: direct_sums on row-major weights (the rows as A tiles in place); on r16 weights, the
 // rows' two 16-row blocks as B tiles in place (r16_block, one pass over K, each block's stream prefetched pf ahead)
 // against the tokens' A tiles, whose sums come out in c's order (no transpose).
+// FP8 weights: rows r0 .. r0 + 31 expanded to bf16 rows beforehand (GroupedFp8::rows), read from there.
+struct GroupedFp8 {
+  std::vector<uint8_t> buf;
+  uint8_t* p[2] = {nullptr, nullptr};  // two blocks of 32 rows (gate and up)
+  int64_t kbytes = 0, ld = 0;
+  Fp8RowsBf16 conv[2];  // one per block, each keeping its scale row's tables
+  explicit GroupedFp8(int64_t ktiles) : buf(2 * 32 * (64 * ktiles + 64) + 64), kbytes(64 * ktiles), ld(64 * ktiles + 64) {
+    p[0] = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
+    p[1] = p[0] + 32 * ld;
+  }
+  // block i's rows: FP8 expanded into p[i], else the weight's own rows
+  const uint8_t* rows(const WeightView& w, int64_t r0, int i, int64_t pf) {
+    if (w.fmt != kFp8) return w.w + r0 * w.row_bytes;
+    conv[i].rows(w, r0, kbytes, ld, pf, p[i]);
+    return p[i];
+  }
+};
+
 template <class T, bool Int8>
 inline void grouped_sums(const WeightView& w, int64_t r0, const GroupedB& B, int64_t e, int64_t tt, int64_t ttiles,
-                         int64_t pf, int32_t* st, int32_t* tr, int32_t* c) {
+                         int64_t pf, int32_t* st, int32_t* tr, int32_t* c, const uint8_t* rows = nullptr,
+                         int64_t rows_ld = 0) {
   const int64_t ld = w.row_bytes, ktiles = B.ktiles;
   const uint8_t* bt = B.b + B.off[e] + tt * ktiles * 1024;
-  if (B.a_tiles) {
+  if (rows) {  // FP8 rows expanded to bf16 (GroupedFp8)
+    direct_sums<T, Int8>(rows, rows_ld, bt, ktiles, tt + 1 < ttiles, 0, st, tr, c);
+  } else if (B.a_tiles) {
     const uint8_t* b0 = w.w + r0 * ld;  // 16-row block r0 / 16: 16 · ld bytes, K tile kt at + kt KiB
     const uint8_t* a1 = tt + 1 < ttiles ? bt + ktiles * 1024 : nullptr;  // a lone last token tile: one A tile
     r16_block<T, Int8>(bt, a1, b0, b0 + 16 * ld, true, nullptr, ktiles, 0, ktiles, pf, c);
@@ -1273,6 +1372,7 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
 #pragma omp parallel
   {
     alignas(64) int32_t st[4 * 256], tr[256], cg[32 * 32], cu[32 * 32];
+    GroupedFp8 f8(ex[0].w.fmt == kFp8 ? B.ktiles : 0);
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
@@ -1280,10 +1380,13 @@ void gate_up_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const 
       const int64_t e = t / blocks;
       const MoeExpert& x = ex[e];
       const int64_t i0 = (t % blocks) * 32, ttiles = (x.n + 15) / 16;
+      const bool fp8 = x.w.fmt == kFp8;
+      const uint8_t* rg = fp8 ? f8.rows(x.w, i0, 0, pf) : nullptr;
+      const uint8_t* ru = fp8 ? f8.rows(x.w, I + i0, 1, pf) : nullptr;
       for (int64_t tt = 0; tt < ttiles; tt += 2) {
         const bool two = tt + 1 < ttiles;
-        grouped_sums<T, Int8>(x.w, i0, B, e, tt, ttiles, pf, st, tr, cg);
-        grouped_sums<T, Int8>(x.w, I + i0, B, e, tt, ttiles, pf, st, tr, cu);
+        grouped_sums<T, Int8>(x.w, i0, B, e, tt, ttiles, pf, st, tr, cg, rg, f8.ld);
+        grouped_sums<T, Int8>(x.w, I + i0, B, e, tt, ttiles, pf, st, tr, cu, ru, f8.ld);
         const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t j = 16 * tt + i;
@@ -1305,6 +1408,7 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 #pragma omp parallel
   {
     alignas(64) int32_t st[4 * 256], tr[256], c[32 * 32];
+    GroupedFp8 f8(ex[0].w.fmt == kFp8 ? B.ktiles : 0);
     const TileConfig cfg = full_tiles();
     T::config(&cfg);
 #pragma omp for schedule(dynamic, 1)
@@ -1313,9 +1417,10 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
       for (size_t e = 0; e < ex.size(); ++e) {
         const MoeExpert& x = ex[e];
         const int64_t ttiles = (x.n + 15) / 16;
+        const uint8_t* rd = x.w.fmt == kFp8 ? f8.rows(x.w, d0, 0, pf) : nullptr;
         for (int64_t tt = 0; tt < ttiles; tt += 2) {
           const bool two = tt + 1 < ttiles;
-          grouped_sums<T, Int8>(x.w, d0, B, (int64_t)e, tt, ttiles, pf, st, tr, c);
+          grouped_sums<T, Int8>(x.w, d0, B, (int64_t)e, tt, ttiles, pf, st, tr, c, rd, f8.ld);
           const int64_t rows = std::min<int64_t>(two ? 32 : 16, x.n - 16 * tt);
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t j = 16 * tt + i;
@@ -1338,8 +1443,8 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
   const int f = rows_format(W.fmt);  // INT8 / BF16, row-major or r16
   // whole 64-byte K tiles in every row (row-major) or 16-row block's stream (r16: no staged tail)
-  return (engine == kTilesAmx || engine == kTilesAmxModel) && ((f == kInt8 && W.scale) || f == kBF16) &&
-         n <= ao.direct_max && amx_direct_ok(W, W.K * (f == kInt8 ? 1 : 2)) && W.N % 32 == 0;
+  return (engine == kTilesAmx || engine == kTilesAmxModel) && ((f == kInt8 && W.scale) || f == kBF16 || f == kFp8) &&
+         n <= ao.direct_rows(W) && (amx_direct_ok(W, W.K * (f == kInt8 ? 1 : 2)) || f == kFp8) && W.N % 32 == 0;
 }
 
 void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,
@@ -1349,6 +1454,7 @@ void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_
   check_amx_engine(engine);
   const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
   const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
+  if (ex[0].w.fmt == kFp8) note_used(kUsedFp8Rows);
   if (engine == kTilesAmx) (int8 ? gate_up_grouped<AmxHw, true> : gate_up_grouped<AmxHw, false>)(ex, B, xs, I, ao.prefetch);
   else (int8 ? gate_up_grouped<AmxEmu, true> : gate_up_grouped<AmxEmu, false>)(ex, B, xs, I, ao.prefetch);
 }
@@ -1360,6 +1466,7 @@ void moe_down_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t l
   check_amx_engine(engine);
   const bool int8 = rows_format(ex[0].w.fmt) == kInt8;
   const GroupedB B = pack_grouped_b(ex, x, ld, ex[0].w.K, int8, is_r16(ex[0].w.fmt));
+  if (ex[0].w.fmt == kFp8) note_used(kUsedFp8Rows);
   if (engine == kTilesAmx) (int8 ? down_grouped<AmxHw, true> : down_grouped<AmxHw, false>)(ex, B, xs, D, out, ao.prefetch);
   else (int8 ? down_grouped<AmxEmu, true> : down_grouped<AmxEmu, false>)(ex, B, xs, D, out, ao.prefetch);
 }

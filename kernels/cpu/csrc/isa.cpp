@@ -12,7 +12,7 @@ namespace {
 std::atomic<unsigned> g_mask{~0u};
 std::atomic<unsigned> g_emulated{0};
 thread_local unsigned t_used = 0;
-const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model", "avx2", "r16", "grouped"};
+const char* const kUsedNames[] = {"avx512", "vnni", "vnni-model", "avx512bf16", "avx512bf16-model", "amx", "blas", "onednn", "fma", "maddubs", "amx-model", "avx2", "r16", "grouped", "fp8rows"};
 }  // namespace
 
 unsigned detected_features() {
@@ -80,8 +80,8 @@ bool fp8_gemm_onednn(const Knobs& kn) { return kn.fp8_gemm == kFp8GemmOnednn; }
 
 // INT8 auto: AMX where the CPU has it (from amx_min_tokens rows), VNNI's tile GEMM below that or without
 // AMX (gemm_dot_engine); BF16 and FP8 auto: AMX for bf16 activations (float32 ones are not rounded by auto; FP8's
-// blocks are expanded to bf16 as they are packed, and FP8 reaches the GEMM path only from cpu_gemm_min_tokens rows,
-// where the microkernels stop). BF16 and INT8 r16 weights as their row-major formats (gemm_nest's R16B reads their
+// blocks are expanded to bf16 per call: rows as A tiles up to cpu_amx_fp8_direct_max_tokens rows, else B tiles as
+// they are packed). BF16 and INT8 r16 weights as their row-major formats (gemm_nest's R16B reads their
 // blocks as B tiles in place); INT4 r16 ones by name only (gemm_int4_r16, its lines' nibbles as B tile rows:
 // slower than the r16 microkernels at prefill so far, docs/cpu_kernels.md "Session 41").
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {

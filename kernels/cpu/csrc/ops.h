@@ -51,7 +51,8 @@ bool fp8_gemm_onednn(const Knobs& kn);
 enum Used : unsigned { kUsedAvx512 = 1, kUsedVnni = 2, kUsedVnniModel = 4, kUsedBf16 = 8, kUsedBf16Model = 16,
                        kUsedAmx = 32, kUsedBlas = 64, kUsedOnednn = 128, kUsedFma = 256,
                        kUsedMaddubs = 512, kUsedAmxModel = 1024, kUsedAvx2 = 2048, kUsedR16 = 4096,
-                       kUsedGrouped = 8192 };  // grouped: the fused MoE's GEMM-path experts (cpu_moe_gemm_experts)
+                       kUsedGrouped = 8192,  // grouped: the fused MoE's GEMM-path experts (cpu_moe_gemm_experts)
+                       kUsedFp8Rows = 16384 };  // fp8rows: FP8 blocks expanded to bf16 rows as AMX A tiles (cpu_amx_fp8_direct_max_tokens)
 void reset_used();
 void note_used(unsigned bits);
 // the microkernels' variant for weight W: its dot form, or maddubs where the INT4 int8 method runs without VNNI
@@ -103,10 +104,13 @@ inline unsigned amx_used(int engine) { return engine == kTilesAmx ? kUsedAmx : k
 // in chunks of m_block (0: all), K in passes of k_block bytes (0: all of K at once); up to direct_max rows,
 // the weight rows read as tiles where they lie, no packing, each row prefetched `prefetch` bytes ahead (0: none).
 struct AmxOpts {
-  int64_t k_block = 0, direct_max = 0, prefetch = 0, n_group = 1, m_block = 0;
+  int64_t k_block = 0, direct_max = 0, prefetch = 0, n_group = 1, m_block = 0, fp8_direct_max = 0;
+  // the in-place path's row limit for W (FP8: its blocks expanded to bf16 rows, fp8_direct_max)
+  int64_t direct_rows(const WeightView& W) const { return W.fmt == kFp8 ? fp8_direct_max : direct_max; }
 };
 inline AmxOpts amx_opts(const Knobs& kn) {
-  return {kn.amx_k_block, kn.amx_direct_max_tokens, kn.prefetch_ahead, kn.amx_n_group, kn.amx_m_block};
+  return {kn.amx_k_block, kn.amx_direct_max_tokens, kn.prefetch_ahead, kn.amx_n_group, kn.amx_m_block,
+          kn.amx_fp8_direct_max_tokens};
 }
 // x_act [M, K] (float32: INT8's quantized integers, or BF16 weights' activations, rounded to bf16;
 // bfloat16: BF16 weights only) · Wᵀ on a tile engine → [M, N] float32 (INT8: the integer sums), or
