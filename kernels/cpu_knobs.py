@@ -413,11 +413,20 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "tiles, a K pass per scale group (amx; groups of a multiple of 64, from cpu_amx_min_tokens rows; bitwise "
          "equal to vnni; elsewhere as vnni). auto: amx where the CPU has AMX (groups of a multiple of 64, from "
          "cpu_amx_min_tokens rows), vnni where it has AVX512-VNNI, maddubs in the AVX2 build of the kernels, else "
-         "unpack. INT4 r16 weights (cpu_int4_*_layout) have no GEMM path but AMX by name: amx runs them there from "
-         "cpu_amx_min_tokens rows (each r16 line's nibbles are rows of B tiles; bitwise the r16 microkernels' "
-         "result), every other value keeps them on the microkernels (an AMX VM, fused MoE `small`, amx against "
-         "them: x0.80 at 128 tokens, x1.24 at 512; an r16 linear [11264, 2048] x2.39 / x2.13 at 64 / 512)",
+         "unpack. INT4 r16 weights (cpu_int4_*_layout) have no GEMM path but AMX: amx runs them there from "
+         "cpu_amx_min_tokens rows, auto from cpu_int4_r16_amx_min_tokens (each r16 line's nibbles are rows of B "
+         "tiles; bitwise the r16 microkernels' result), the other values keep them on the microkernels (an AMX VM, "
+         "fused MoE `small`, amx against them: x0.80 at 128 tokens, x1.24 at 512; an r16 linear [11264, 2048] "
+         "x2.39 / x2.13 at 64 / 512)",
          choices=("auto", "unpack", "vnni", "maddubs", "amx")),
+    Knob("cpu_int4_r16_amx_min_tokens", int, 32, "kernels/cpu",
+         "CPU INT4 weights in the r16 layout, cpu_int4_gemm auto, where the CPU has AMX: from this many rows (tokens "
+         "per expert in fused MoE; at least cpu_amx_min_tokens) AMX's GEMM over the r16 lines (gemm_int4_r16) runs "
+         "instead of the r16 microkernels; the same result bit for bit. Measured on an AMX VM (Xeon, family 6 model "
+         "167 as KVM reports it, 2 threads; suites.moe_ab, weights from DRAM), AMX against the microkernels: fused MoE "
+         "`small` x0.93 / x1.23 / x1.28 at 256 / 512 / 1024 tokens (24 / 48 / 96 per expert); an r16 linear [11264, "
+         "2048] x1.27 / x1.28 / x1.41 at 16 / 32 / 64 rows (INT4 linears take the row-major layout by default, "
+         "whose GEMM runs on AMX from cpu_amx_min_tokens)", low=1, high=4096, log=True),
     Knob("cpu_huge_pages", bool, True, "kernels/cpu",
          "CPU kernels: each weight of ≥ 2 MiB in 2 MiB-aligned memory advised for transparent huge pages "
          "(the loader places it there; a weight prepared from elsewhere is copied once): fewer TLB misses "

@@ -241,7 +241,7 @@ def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
     scaled in r16_int4_tile's order): bitwise the r16 microkernels' result, through linear (N in one 16-row block,
     one and several 32-row blocks; M tails; float32 and bf16 rows, a bf16 output for bf16 rows) and fused MoE (experts
     on AMX, on the microkernels, and mixed), within the INT4 bound of the reference; the call record names AMX and
-    r16. Only by name (cpu_int4_gemm=amx): auto and unpack keep r16 on the microkernels."""
+    r16. auto takes it from cpu_int4_r16_amx_min_tokens rows (tokens per expert), unpack never."""
     ctx, tag = amx_here(native)
     g = torch.Generator().manual_seed(41)
     micro = {"cpu_amx_min_tokens": 4096, "cpu_int4_gemm": "amx"}
@@ -260,10 +260,14 @@ def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
                 assert got.dtype == xd and torch.equal(got, want), (n, k, m, xd)
             ref = reference.linear(x, w)
             assert ((cpu.linear(x, p, knobs=amx) - ref).norm() / ref.norm()).item() <= 2e-2
-            for value in ("auto", "unpack"):  # auto keeps r16 on the microkernels (slower on AMX so far)
+            # auto: AMX from cpu_int4_r16_amx_min_tokens rows (here 33 and 70 of them reach 32, and none 4096);
+            # unpack keeps r16 on the microkernels
+            for value, threshold in (("auto", 32), ("auto", 4096), ("unpack", 1)):
+                kn = {**amx, "cpu_int4_gemm": value, "cpu_int4_r16_amx_min_tokens": threshold}
                 with cpu.recording() as rec:
-                    cpu.linear(x, p, knobs={**amx, "cpu_int4_gemm": value})
-                assert tag not in rec[-1]["isa"].split("+"), (value, rec[-1]["isa"])
+                    got = cpu.linear(x, p, knobs=kn)
+                assert (tag in rec[-1]["isa"].split("+")) == (value == "auto" and m >= threshold), (value, rec[-1]["isa"])
+                assert torch.equal(got, cpu.linear(x, p, knobs=micro)), (value, threshold)
         d, i = 256, 128
         w13 = formats.quantize_int4_group(torch.randn(6, 2 * i, d, generator=g) * 0.05, 128, symmetric=False)
         w2 = formats.quantize_int4_group(torch.randn(6, d, i, generator=g) * 0.05, 128, symmetric=False)
@@ -281,6 +285,16 @@ def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
         for out in (got, mixed):
             assert ((out - ref).norm() / ref.norm()).item() <= 2e-2
         assert ((mixed - want).norm() / want.norm()).item() <= 1e-6
+        # auto: the experts of 33 and 40 tokens on AMX from a threshold of 32, none from 4096 (then the microkernels' bits)
+        for threshold in (32, 4096):
+            kn = {"cpu_amx_min_tokens": 1, "cpu_int4_gemm": "auto", "cpu_int4_r16_amx_min_tokens": threshold}
+            with cpu.recording() as rec:
+                auto = cpu.fused_moe(x, p13, p2, tw, ids, knobs=kn)
+            assert (tag in rec[-1]["isa"].split("+")) == (threshold == 32), rec[-1]["isa"]
+            if threshold == 32:
+                assert ((auto - want).norm() / want.norm()).item() <= 1e-6
+            else:
+                assert torch.equal(auto, want)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])

@@ -176,8 +176,10 @@ def test_the_record_is_off_outside_and_nests():
 
 def allowed_variants(mask: set[str]) -> set[str]:
     need = {"vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx": "amx"}
-    # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it)
-    return {"avx512", "avx2", "blas", "fma", "onednn", "maddubs"} | {v for v, f in need.items() if f in mask}
+    # onednn: torch's bf16 linear, which dispatches its own instructions (cpu_bf16_gemm=onednn forces it); r16,
+    # grouped and fp8rows name forms of the data beside the instruction, not instructions
+    return ({"avx512", "avx2", "blas", "fma", "onednn", "maddubs", "r16", "grouped", "fp8rows"}
+            | {v for v, f in need.items() if f in mask})
 
 
 def test_dispatch_never_selects_an_instruction_the_mask_lacks():
@@ -237,7 +239,8 @@ def test_dispatch_never_selects_an_instruction_the_mask_lacks():
                 amx = (fp8_gemm == "amx" or auto_bf16) and "amx" in mask & HAS  # auto: bf16 activations only
                 onednn = fp8_gemm == "onednn"
                 dot = (fp8_gemm == "avx512bf16" or auto_bf16) and "avx512_bf16" in mask & HAS
-                want = "amx" if amx else "onednn" if onednn else "avx512bf16" if dot else UNPACK
+                # (40 rows on AMX: the blocks expanded to bf16 rows as A tiles, up to cpu_amx_fp8_direct_max_tokens)
+                want = "amx+fp8rows" if amx else "onednn" if onednn else "avx512bf16" if dot else UNPACK
                 assert rec[0]["isa"] == want, (mask, fp8_gemm, dtype, rec[0]["isa"])
     assert cpu.features() == HAS  # the mask is restored
 

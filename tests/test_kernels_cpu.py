@@ -1096,8 +1096,8 @@ def test_int4_r16_fused_moe_matches_the_reference_and_the_row_major_kernel(case,
     rows = cpu.fused_moe(x, cpu.prepare(w13, layout="rows"), cpu.prepare(w2, layout="rows"), tw, ids, knobs=INT4_ROWS)
     first = None
     for isa, emulated, used in INT4_R16_POLICIES:
-        with cpu.emulate(emulated), cpu.recording() as rec:
-            got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int8_isa": isa})
+        with cpu.emulate(emulated), cpu.recording() as rec:  # the microkernels' policies: every expert on them
+            got = cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int8_isa": isa, "cpu_int4_r16_amx_min_tokens": 4096})
         assert rec[-1]["isa"] == used and rec[-1]["format"] == "int4", rec[-1]
         check(got, ref, INT4_INT8_MOE, f"int4 r16 {case} {isa} {emulated}")
         check(got, rows, INT4_R16_VS_ROWS, f"int4 r16 vs rows {case} {isa}")
@@ -1157,8 +1157,8 @@ def test_int4_r16_linear_matches_the_reference_and_the_row_major_kernel(case):
     ref = reference.linear(x, w)
     rows = cpu.linear(x, cpu.prepare(w, layout="rows"), knobs=INT4_ROWS)
     for isa, emulated, used in INT4_R16_POLICIES:
-        with cpu.emulate(emulated), cpu.recording() as rec:
-            got = cpu.linear(x, p, knobs={"cpu_int8_isa": isa})
+        with cpu.emulate(emulated), cpu.recording() as rec:  # the microkernels' policies (no AMX GEMM from 32 rows)
+            got = cpu.linear(x, p, knobs={"cpu_int8_isa": isa, "cpu_int4_r16_amx_min_tokens": 4096})
         assert rec[-1]["isa"] == used, rec[-1]
         check(got, ref, INT4_INT8, f"int4 r16 linear {case} {isa}")
         check(got, rows, INT4_R16_VS_ROWS, f"int4 r16 linear vs rows {case} {isa}")

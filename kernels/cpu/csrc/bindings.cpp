@@ -111,6 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("amx_k_block", &Knobs::amx_k_block)
       .def_readwrite("amx_direct_max_tokens", &Knobs::amx_direct_max_tokens)
       .def_readwrite("amx_fp8_direct_max_tokens", &Knobs::amx_fp8_direct_max_tokens)
+      .def_readwrite("int4_r16_amx_min_tokens", &Knobs::int4_r16_amx_min_tokens)
       .def_readwrite("amx_n_group", &Knobs::amx_n_group)
       .def_readwrite("amx_m_block", &Knobs::amx_m_block)
       .def_readwrite("dot_gemm_min_tokens", &Knobs::dot_gemm_min_tokens)

@@ -182,7 +182,8 @@ struct Knobs {
   int64_t amx_n_group = -1;      // AMX GEMM: 32-column weight blocks per parallel task (the K passes' group)
   int64_t amx_m_block = -1;      // AMX GEMM: activation rows per chunk of the nest (0: all)
   int64_t amx_direct_max_tokens = -1;  // AMX GEMM: up to this many rows, weight rows read as tiles in place
-  int64_t amx_fp8_direct_max_tokens = -1;  // ... FP8 weights: up to this many rows, each 32-row block expanded to bf16 rows as A tiles
+  int64_t amx_fp8_direct_max_tokens = -1;
+  int64_t int4_r16_amx_min_tokens = 0;  // INT4 r16, cpu_int4_gemm auto: AMX's gemm_int4_r16 from this many rows  // ... FP8 weights: up to this many rows, each 32-row block expanded to bf16 rows as A tiles
   int64_t dot_gemm_min_tokens = 0;  // from this many rows, weights with a dot-product GEMM engine here take it
   int64_t bf16_gemm_min_tokens = 0;  // from this many rows, BF16 weights on the unpack + BLAS GEMM path take it
   int64_t r16_onednn_min_tokens = 0;  // from this many rows, BF16 r16 linears (bf16 activations) run oneDNN on rows restored

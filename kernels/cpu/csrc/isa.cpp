@@ -82,17 +82,28 @@ bool fp8_gemm_onednn(const Knobs& kn) { return kn.fp8_gemm == kFp8GemmOnednn; }
 // AMX (gemm_dot_engine); BF16 and FP8 auto: AMX for bf16 activations (float32 ones are not rounded by auto; FP8's
 // blocks are expanded to bf16 per call: rows as A tiles up to cpu_amx_fp8_direct_max_tokens rows, else B tiles as
 // they are packed). BF16 and INT8 r16 weights as their row-major formats (gemm_nest's R16B reads their
-// blocks as B tiles in place); INT4 r16 ones by name only (gemm_int4_r16, its lines' nibbles as B tile rows:
-// slower than the r16 microkernels at prefill so far, docs/cpu_kernels.md "Session 41").
+// blocks as B tiles in place); INT4 r16 ones (gemm_int4_r16, its lines' nibbles as B tile rows) under amx from
+// amx_min_tokens rows, under auto from int4_r16_amx_min_tokens (fewer rows: the r16 microkernels win, fused MoE
+// `small` at 24 tokens per expert, docs/cpu_kernels.md "Session 42").
+// the rows from which AMX takes W where it runs for it
+static int64_t amx_rows(const WeightView& W, const Knobs& kn) {
+  return W.fmt == kInt4R16 && kn.int4_gemm == kInt4GemmAuto ? std::max(kn.amx_min_tokens, kn.int4_r16_amx_min_tokens)
+                                                            : kn.amx_min_tokens;
+}
+
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M) {
   const int fmt = W.fmt == kBF16R16 || W.fmt == kInt8R16 ? rows_format(W.fmt) : W.fmt;
   const bool want = (fmt == kInt8 && (kn.int8_gemm == kInt8GemmAmx || kn.int8_gemm == kInt8GemmAuto)) ||
                     (fmt == kBF16 && (kn.bf16_gemm == kBf16GemmAmx || (kn.bf16_gemm == kBf16GemmAuto && W.act_bf16))) ||
                     (W.fmt == kFp8 && (kn.fp8_gemm == kFp8GemmAmx || (kn.fp8_gemm == kFp8GemmAuto && W.act_bf16))) ||
                     (W.fmt == kInt4 && W.group % 64 == 0 && (kn.int4_gemm == kInt4GemmAmx || kn.int4_gemm == kInt4GemmAuto)) ||
-                    (W.fmt == kInt4R16 && kn.int4_gemm == kInt4GemmAmx);
-  if (!want || M < kn.amx_min_tokens) return -1;
+                    (W.fmt == kInt4R16 && (kn.int4_gemm == kInt4GemmAmx || kn.int4_gemm == kInt4GemmAuto));
+  if (!want || M < amx_rows(W, kn)) return -1;
   return (emulated_features() & kFeatAmx) ? kTilesAmxModel : (usable_features() & kFeatAmx) ? kTilesAmx : -1;
+}
+
+int64_t amx_from(const WeightView& W, const Knobs& kn) {
+  return amx_engine(W, kn, INT64_MAX) >= 0 ? amx_rows(W, kn) : INT64_MAX;
 }
 
 int gemm_dot_engine(const WeightView& W, const Knobs& kn) {

@@ -123,9 +123,9 @@ void Knobs::check() const {
   TORCH_CHECK(get_micro(kBF16, (int)micro_rows, (int)micro_tokens), "micro_rows must be 4 or 8 and micro_tokens 1, 2 or 4");
   TORCH_CHECK(micro_wide == 0 || get_micro_bf16_dot_wide(kBF16DpModel, (int)micro_wide), "micro_wide must be 0, 6, 8 or 12");
   TORCH_CHECK(linear_block_n >= 1 && moe_block_n >= 1 && moe_int4_tasks >= 0 && gemm_min_tokens >= 1 && gemm_block_n >= 1 && task_chunk >= 1 &&
-                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && amx_fp8_direct_max_tokens >= 0 && amx_n_group >= 1 && amx_m_block >= 0 && amx_m_block % 32 == 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && r16_onednn_min_tokens >= 1 && prefetch_ahead >= 0 &&
+                  amx_min_tokens >= 1 && amx_k_block >= 0 && amx_k_block % 64 == 0 && amx_direct_max_tokens >= 0 && amx_fp8_direct_max_tokens >= 0 && int4_r16_amx_min_tokens >= 1 && amx_n_group >= 1 && amx_m_block >= 0 && amx_m_block % 32 == 0 && dot_gemm_min_tokens >= 1 && bf16_gemm_min_tokens >= 1 && r16_onednn_min_tokens >= 1 && prefetch_ahead >= 0 &&
                   prefetch_ahead % 64 == 0 && r16_int4_prefetch_ahead >= 0 && r16_int4_prefetch_ahead % 64 == 0 && k_block >= 32 && k_block % 32 == 0,
-              "moe_int4_tasks ≥ 0, linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
+              "moe_int4_tasks ≥ 0, int4_r16_amx_min_tokens, linear_block_n, moe_block_n, gemm_min_tokens, gemm_block_n, task_chunk, amx_min_tokens, "
               "amx_k_block (a multiple of 64, 0: all of K), amx_direct_max_tokens and amx_fp8_direct_max_tokens ≥ 0, amx_n_group ≥ 1, amx_m_block (a multiple of 32, 0: all rows), "
               "dot_gemm_min_tokens, bf16_gemm_min_tokens, r16_onednn_min_tokens must be ≥ 1, prefetch_ahead and r16_int4_prefetch_ahead multiples of 64 ≥ 0, "
               "k_block a multiple of 32 ≥ 32");

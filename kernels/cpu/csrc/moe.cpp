@@ -168,7 +168,7 @@ at::Tensor fused_moe(const at::Tensor& x, int64_t fmt, const at::Tensor& w13, co
   // the GEMM path from where both stacks have one: r16 ones on AMX only (gemm_nest's R16B; r16 BF16's oneDNN restore is
   // for linears); an r16 stack without AMX keeps every expert on the r16 sweep
   const auto stack_from = [&](const WeightView& W) {
-    return !is_r16(W.fmt) ? gemm_from(W, kn) : amx_engine(W, kn, INT64_MAX) >= 0 ? kn.amx_min_tokens : INT64_MAX;
+    return !is_r16(W.fmt) ? gemm_from(W, kn) : amx_from(W, kn);
   };
   const int64_t from = r16 ? std::max(stack_from(W13.base), stack_from(W2.base)) : gemm_from(W13.base, kn);
   for (int64_t e = 0; e < E; ++e)

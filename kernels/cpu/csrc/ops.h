@@ -98,6 +98,9 @@ enum TileEngine : int { kTilesAmx = 0, kTilesAmxModel = 1, kTilesDot = 2, kTiles
 // or -1: INT8 weights under cpu_int8_gemm amx or auto, BF16 / FP8 weights under cpu_bf16_gemm / cpu_fp8_gemm amx
 // or auto, from amx_min_tokens rows (BF16 and FP8 auto: bf16 activations), where the CPU has AMX under the feature mask (isa.cpp).
 int amx_engine(const WeightView& W, const Knobs& kn, int64_t M);
+// From how many rows amx_engine runs for W (INT64_MAX: never here): amx_min_tokens, or for INT4 r16 under auto
+// int4_r16_amx_min_tokens if later.
+int64_t amx_from(const WeightView& W, const Knobs& kn);
 // The call record's note for an AMX engine (the tiles, or their model).
 inline unsigned amx_used(int engine) { return engine == kTilesAmx ? kUsedAmx : kUsedAmxModel; }
 // How the AMX GEMM runs (from the knobs: amx_opts): groups of n_group 32-column weight blocks per task, rows
@@ -165,7 +168,7 @@ at::Tensor gemm_r16_onednn(const at::Tensor& x, const WeightView& W, const Knobs
 // restored block by block: gemm_r16_onednn) if that is sooner, else never.
 inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
   if (is_r16(W.fmt)) {
-    const int64_t amx = amx_engine(W, kn, INT64_MAX) >= 0 ? kn.amx_min_tokens : INT64_MAX;
+    const int64_t amx = amx_from(W, kn);
     return std::min(amx, W.fmt == kBF16R16 && W.act_bf16 ? kn.r16_onednn_min_tokens : INT64_MAX);
   }
   const int64_t from = W.fmt != kFp8 && gemm_dot_engine(W, kn) >= 0           ? kn.dot_gemm_min_tokens
