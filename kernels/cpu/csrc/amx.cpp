@@ -218,12 +218,12 @@ struct Fp8Bf16Lut {
 // scale row are made once and kept while the rows converted next share it (the scales' address: another weight's
 // may sit at the same row index).
 struct Fp8RowsBf16 {
-  std::vector<Fp8Bf16Lut> lut;
+  std::vector<Fp8Bf16Lut> lut;  // per scale group of the row: its table, and whether the table holds (ok)
   std::vector<char> ok;
   const float* srow = nullptr;
-  int64_t groups = 0;
   void rows(const WeightView& W, int64_t r0, int64_t kbytes, int64_t ld, int64_t pf, uint8_t* dst) {
     const bool tables = W.K % 32 == 0 && W.group > 0 && W.group % 32 == 0;
+    const int64_t ng = tables ? (W.K + W.group - 1) / W.group : 0;
     for (int64_t n = 0; n < 32; ++n) {
       uint8_t* d = dst + n * ld;
       const int64_t r = r0 + n;
@@ -234,9 +234,8 @@ struct Fp8RowsBf16 {
         continue;
       }
       const float* sc = W.scale + (r / W.block_n) * W.scale_ld;
-      const int64_t ng = (W.K + W.group - 1) / W.group;
-      if (sc != srow || ng != groups) {
-        srow = sc, groups = ng;
+      if (sc != srow || (int64_t)lut.size() != ng) {
+        srow = sc;
         lut.resize(ng);
         ok.resize(ng);
         for (int64_t g = 0; g < ng; ++g) ok[g] = Fp8Bf16Lut::make(sc[g], lut[g]);
@@ -638,12 +637,11 @@ void gemm_nest(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64
 // come out transposed (weight rows × tokens) and are transposed back as they are written. For few rows
 // (an expert's tokens, a short prefill) the weight is read once from memory, as a decode kernel reads it,
 // instead of being packed for rows it will barely serve. Needs whole 64-byte K tiles in the rows.
+// FP8 takes this path's loop with any K, each 32-row block expanded to bf16 rows first (Fp8RowsBf16: no transpose,
+// where the packed nest's pack_fp8_b transposes every 16 × 16 block of bf16 pairs into a B tile).
 inline bool amx_direct_ok(const WeightView& W, int64_t data_bytes) {
-  return W.fmt != kFp8 && W.row_bytes == data_bytes && data_bytes % 64 == 0;
+  return W.fmt == kFp8 || (W.row_bytes == data_bytes && data_bytes % 64 == 0);
 }
-// (FP8 takes the in-place path's loop, up to cpu_amx_fp8_direct_max_tokens rows, with each 32-row block expanded to
-// bf16 rows first: Fp8RowsBf16, no transpose, where the packed nest's pack_fp8_b transposes every 16 × 16 block of
-// bf16 pairs into a B tile; any K and N)
 
 // One block of 32 weight rows (A tiles 4 / 5: rows 0-15 / 16-31 at w, stride ld) × up to 32 tokens (B tiles
 // 6 / 7 at bt and bt + ktiles KiB; `two`: the second token tile is used) over all of K, each weight row
@@ -664,9 +662,12 @@ MOETUNE_AMX void direct_block(const uint8_t* w, int64_t ld, const uint8_t* bt, i
   store_sums<T>(s, 64, 256, 512);
 }
 
-// direct_block's 4 sum tiles st (tile (i, j) = weight rows 16i.., tokens 16j..; j = 0 only without `two`) transposed
-// into c[token][32 weight rows] (tr: scratch)
-inline void transpose_sums(const int32_t* st, bool two, int32_t* tr, int32_t* c) {
+// direct_block's sums for 32 weight rows × up to 32 tokens, transposed into c[token][32 weight rows] (st, tr: scratch).
+template <class T, bool Int8>
+inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf, int32_t* st,
+                        int32_t* tr, int32_t* c) {
+  direct_block<T, Int8>(w, ld, bt, ktiles, two, pf, st);
+  // tile (i, j) = weight rows 16i.., tokens 16j..: transposed into c[token][32 weight rows]
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < (two ? 2 : 1); ++j) {
       const int32_t* q = st + 256 * (2 * i + j);
@@ -675,14 +676,6 @@ inline void transpose_sums(const int32_t* st, bool two, int32_t* tr, int32_t* c)
       transpose16_u32(src, 0, reinterpret_cast<uint8_t*>(tr));
       for (int t = 0; t < 16; ++t) std::memcpy(c + (16 * j + t) * 32 + 16 * i, tr + 16 * t, 64);
     }
-}
-
-// direct_block's sums for 32 weight rows × up to 32 tokens, transposed into c[token][32 weight rows] (st, tr: scratch).
-template <class T, bool Int8>
-inline void direct_sums(const uint8_t* w, int64_t ld, const uint8_t* bt, int64_t ktiles, bool two, int64_t pf, int32_t* st,
-                        int32_t* tr, int32_t* c) {
-  direct_block<T, Int8>(w, ld, bt, ktiles, two, pf, st);
-  transpose_sums(st, two, tr, c);
 }
 
 template <class T, bool Int8>
@@ -717,10 +710,9 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
     T::config(&cfg);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t nb = 0; nb < nblocks; ++nb) {
-      const uint8_t* w = W.w + nb * 32 * ld;
+      const uint8_t* w = fp8 ? wb : W.w + nb * 32 * ld;
       if (fp8) {
         conv.rows(W, nb * 32, kbytes, ld, pf, wb);
-        w = wb;
       } else if (nb * 32 + 32 > N) {
         tail.assign(32 * ld, 0);
         std::memcpy(tail.data(), w, (N - nb * 32) * ld);
@@ -739,15 +731,15 @@ void gemm_direct(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, con
 }
 
 // The AMX GEMM: r16 weights where they lie (gemm_nest on R16B); row-major ones in place up to ao.direct_max
-// rows (where the rows hold whole K tiles), else packed weight blocks (gemm_nest on PackedB).
+// rows (where the rows hold whole K tiles; FP8 up to ao.fp8_direct_max, expanded to bf16 rows), else packed weight
+// blocks (gemm_nest on PackedB).
 template <class T, bool Int8>
 void gemm_amx(const uint8_t* a_rows, int64_t kbytes, const WeightView& W, int64_t data_bytes, const SumsOut& so,
               int64_t M, const AmxOpts& ao) {
   if (is_r16(W.fmt)) {
     note_used(kUsedR16);  // the layout, beside the engine
     gemm_nest<T, Int8, R16B>(a_rows, kbytes, W, data_bytes, so, M, ao);
-  } else if (M <= ao.direct_rows(W) && (amx_direct_ok(W, data_bytes) || W.fmt == kFp8))
-    gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
+  } else if (M <= ao.direct_rows(W) && amx_direct_ok(W, data_bytes)) gemm_direct<T, Int8>(a_rows, kbytes, W, so, M, ao.prefetch);
   else gemm_nest<T, Int8, PackedB>(a_rows, kbytes, W, data_bytes, so, M, ao);
 }
 
@@ -1341,9 +1333,8 @@ struct GroupedFp8 {
     p[0] = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64);
     p[1] = p[0] + 32 * ld;
   }
-  // block i's rows: FP8 expanded into p[i], else the weight's own rows
+  // FP8 rows r0 .. r0 + 31 of w expanded into block i
   const uint8_t* rows(const WeightView& w, int64_t r0, int i, int64_t pf) {
-    if (w.fmt != kFp8) return w.w + r0 * w.row_bytes;
     conv[i].rows(w, r0, kbytes, ld, pf, p[i]);
     return p[i];
   }
@@ -1441,10 +1432,10 @@ void down_grouped(const std::vector<MoeExpert>& ex, const GroupedB& B, const flo
 }  // namespace
 
 bool moe_grouped_ok(const WeightView& W, int64_t n, int engine, const AmxOpts& ao) {
-  const int f = rows_format(W.fmt);  // INT8 / BF16, row-major or r16
-  // whole 64-byte K tiles in every row (row-major) or 16-row block's stream (r16: no staged tail)
+  const int f = rows_format(W.fmt);  // INT8 / BF16, row-major or r16; FP8 row-major
+  // whole 64-byte K tiles in every row (row-major) or 16-row block's stream (r16: no staged tail); FP8 any K
   return (engine == kTilesAmx || engine == kTilesAmxModel) && ((f == kInt8 && W.scale) || f == kBF16 || f == kFp8) &&
-         n <= ao.direct_rows(W) && (amx_direct_ok(W, W.K * (f == kInt8 ? 1 : 2)) || f == kFp8) && W.N % 32 == 0;
+         n <= ao.direct_rows(W) && amx_direct_ok(W, W.K * (f == kInt8 ? 1 : 2)) && W.N % 32 == 0;
 }
 
 void moe_gate_up_grouped(const std::vector<MoeExpert>& ex, const void* x, int64_t ld, const float* xs, int64_t I,

@@ -176,7 +176,7 @@ inline int64_t gemm_from(const WeightView& W, const Knobs& kn) {
                                                                              : kn.gemm_min_tokens;
   // INT4 enters the GEMM path where it did (its microkernels' activations are not the GEMM's int8 ones), and takes
   // AMX there from amx_min_tokens rows
-  return amx_engine(W, kn, INT64_MAX) >= 0 && W.fmt != kInt4 ? std::min<int64_t>(from, kn.amx_min_tokens) : from;
+  return W.fmt != kInt4 ? std::min(from, amx_from(W, kn)) : from;
 }
 
 at::Tensor linear(const at::Tensor& x, int64_t fmt, const at::Tensor& w, int64_t N, int64_t K,
