@@ -15,6 +15,7 @@ sums, scaled in the same write-back); BF16 within 1e-2 (the bf16 bound of tests/
 float32 activations under auto keep the float32 path (2e-5).
 """
 import contextlib
+import dataclasses
 
 import itertools
 
@@ -295,6 +296,18 @@ def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
                 assert ((auto - want).norm() / want.norm()).item() <= 1e-6
             else:
                 assert torch.equal(auto, want)
+        # symmetric weights (every zero point 8): no scale·zero stream, the tiles' 8·scale gives the stream's bits
+        w13 = formats.quantize_int4_group(torch.randn(6, 2 * i, d, generator=g) * 0.05, 128)
+        w2 = formats.quantize_int4_group(torch.randn(6, d, i, generator=g) * 0.05, 128)
+        p13, p2 = cpu.prepare(w13, layout="r16"), cpu.prepare(w2, layout="r16")
+        assert p13.orig.block_sz.numel() == 0 == p2.orig.block_sz.numel()
+        s13, s2 = (cpu.Packed(w, cpu._pack(w)) for w in (dataclasses.replace(q.orig, block_sz=cpu._block_groups(
+            q.orig.scale * q.orig.zero)) for q in (p13, p2)))
+        with cpu.recording() as rec:
+            got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=amx)
+        assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]
+        assert torch.equal(got, cpu.fused_moe(x, s13, s2, tw, ids, knobs=amx))
+        assert torch.equal(got, cpu.fused_moe(x, p13, p2, tw, ids, knobs=micro))
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["model", "native"])

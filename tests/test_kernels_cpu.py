@@ -27,6 +27,7 @@ Plus: the engine's logits with this backend still match transformers (the bf16 b
 test_oracle_transformers).
 """
 import contextlib
+import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -1117,6 +1118,38 @@ def test_int4_r16_knobs_change_no_result_bitwise_and_one_stack_in_each_layout():
     assert (p13.args[0], p2.args[0]) == (cpu.I4R16_ID, cpu.FORMAT_IDS["int4"])
     check(cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int4_method": "int8"}),
           reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, "int4 r16 | rows")
+
+def with_zero_stream(p):
+    """A symmetric INT4 r16 weight as prepared before the tiles took 8·scale: its scale·zero products as a stream."""
+    w = dataclasses.replace(p.orig, block_sz=cpu._block_groups(p.orig.scale * p.orig.zero))
+    return cpu.Packed(w, cpu._pack(w))
+
+
+def test_int4_r16_symmetric_weights_read_no_zero_stream_and_give_its_bits():
+    """Every zero point 8 (the quantizer's and the loader's symmetric INT4): prepare keeps no scale·zero products
+    (6 % fewer bytes per weight, nbytes says so), and the tiles' 8·scale gives bitwise the stream's result, on every
+    microkernel policy, through fused MoE and linear; one zero point off 8 keeps the stream."""
+    for case in ("regular", "odd_t13", "t1", "empty_expert"):
+        p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, symmetric=True)
+        assert p13.orig.block_sz.numel() == 0 == p2.orig.block_sz.numel()
+        assert p13.nbytes == p13.orig.packed.nbytes + p13.orig.block_scale.nbytes
+        s13, s2 = with_zero_stream(p13), with_zero_stream(p2)
+        assert s13.nbytes == p13.nbytes + p13.orig.block_scale.nbytes
+        for isa, emulated, _ in INT4_R16_POLICIES:
+            kn = {"cpu_int8_isa": isa, "cpu_int4_r16_amx_min_tokens": 4096}
+            with cpu.emulate(emulated):
+                got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=kn)
+                assert torch.equal(got, cpu.fused_moe(x, s13, s2, tw, ids, knobs=kn)), (case, isa)
+        check(got, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, f"int4 r16 symmetric {case}")
+    g = torch.Generator().manual_seed(5)
+    w = formats.quantize_int4_group(torch.randn(48, 384, generator=g) * 0.05, 128)
+    p, x = cpu.prepare(w, layout="r16"), torch.randn(7, 384, generator=g)
+    assert torch.equal(cpu.linear(x, p), cpu.linear(x, with_zero_stream(p)))
+    w.zero[3, 1] = 7.0  # one zero point off 8: the stream stays, and the result follows it
+    q = cpu.prepare(w, layout="r16")
+    assert q.orig.block_sz.numel() == q.orig.scale.numel()
+    check(cpu.linear(x, q), reference.linear(x, w), INT4_INT8, "int4 r16 one zero point off 8")
+
 
 def test_int4_r16_moe_tasks_change_no_result_bitwise():
     """cpu_moe_int4_tasks only regroups INT4 r16 rows into longer tasks (each output row is one tile's, each down

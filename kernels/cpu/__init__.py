@@ -458,7 +458,7 @@ class Int4R16Weight:
     k: int
     group: int
     block_scale: torch.Tensor  # float32 [E?, N, G], per block [G][16]
-    block_sz: torch.Tensor  # float32 [E?, N, G], scale·zero, per block [G][16]
+    block_sz: torch.Tensor  # float32 [E?, N, G], scale·zero, per block [G][16]; empty when every zero point is 8
 
     format = "int4_group"
 
@@ -467,8 +467,8 @@ class Int4R16Weight:
         return torch.Size((*self.packed.shape[:-1], self.k))
 
     @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.zero.nbytes
+    def nbytes(self) -> int:  # what the tiles read: the packed bytes, the block scales, the scale·zero products if any
+        return self.packed.nbytes + self.block_scale.nbytes + self.block_sz.nbytes
 
     def rows(self) -> Int4GroupWeight:
         return Int4GroupWeight(r16_unpack(self.packed), self.scale, self.zero, self.k, self.group)
@@ -641,8 +641,10 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
             weight = Fp8R16Weight(w, args[4], weight.block)
         elif int4:
             scale, zero = args[4], args[5]
-            weight = Int4R16Weight(w, scale, zero, weight.k, weight.group, _block_groups(scale),
-                                   _block_groups(scale * zero))
+            # symmetric weights (every zero point 8, as the loader's and the quantizer's): no scale·zero stream,
+            # the tiles take 8·scale, the same float32 product (6 % fewer bytes read per weight)
+            sz = _EMPTY if bool((zero == 8.0).all()) else _block_groups(scale * zero)
+            weight = Int4R16Weight(w, scale, zero, weight.k, weight.group, _block_groups(scale), sz)
         else:
             weight = R16Weight(w)
         args = _pack(weight)

@@ -130,7 +130,8 @@ struct WeightView {
   int64_t row_bytes = 0;
   int64_t N = 0, K = 0;
   const float* scale = nullptr;  // int8: [N]; fp8: [ceil(N/bn), G]; int4: [N, G]
-  const float* zero = nullptr;   // int4: [N, G] zero point in quantized units
+  const float* zero = nullptr;   // int4: [N, G] zero point in quantized units; int4 r16: scale·zero per block, or
+                                 // none where every zero point is 8 (symmetric weights: the tiles take 8·scale)
   const int32_t* wsum = nullptr; // int8 (either layout): [N] Σ_k w[n, k] (the VNNI kernels' +128 compensation)
   int64_t scale_ld = 0;          // row stride of scale/zero
   int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row

@@ -105,8 +105,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.k_block = kn.k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
-  TORCH_CHECK(fmt != kInt4R16 || (v.zero && v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
-              "int4 r16 needs groups of 128, rows in whole blocks of 16, its block scales and scale·zero products");
+  TORCH_CHECK(fmt != kInt4R16 || (v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
+              "int4 r16 needs groups of 128, rows in whole blocks of 16 and its block scales");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
   TORCH_CHECK(fmt != kFp8R16 || (v.scale && group % 4 == 0 && block_n % 16 == 0 && N % 16 == 0 && K % 4 == 0 &&
                                  w.size(-1) == K),
