@@ -39,7 +39,7 @@ def _quantize(args) -> int:
     from engine.weights.presets import resolve_model
     from engine.weights.quantize import quantize_checkpoint
 
-    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to, group=args.group)
+    dst = quantize_checkpoint(resolve_model(args.src), args.dst, args.to, group=args.group, lm_head=args.lm_head)
     print(f"wrote {args.to} checkpoint to {dst}")
     return 0
 
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("dst", help="output directory (must not exist or be empty)")
     q.add_argument("--to", required=True, choices=["fp8", "int8", "int4"])
     q.add_argument("--group", type=int, default=128, help="int4: inputs per scale (32, 64 or 128)")
+    q.add_argument("--lm-head", action="store_true",
+                   help="quantize the LM head too (as llama.cpp's Q8_0 does); released checkpoints keep it BF16")
     q.set_defaults(func=_quantize)
 
     p = sub.add_parser("presets", help="list the built-in models (and generate some with --build)")

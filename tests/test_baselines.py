@@ -116,6 +116,13 @@ def test_gguf_q8_of_a_quantized_checkpoint_keeps_its_high_precision_tensors(tmp_
     export_gguf("tiny", tmp_path / "q8-from-bf16.gguf", "q8_0", progress=False)
     kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8-from-bf16.gguf").tensors}
     assert kinds["output.weight"] == "Q8_0"
+    # `moetune quantize --lm-head` (compare --precision int8-head): the INT8 LM head is exported Q8_0, the
+    # embeddings still BF16
+    qh = quantize_checkpoint(ensure_preset("tiny", progress=False), tmp_path / "int8h", "int8", progress=False,
+                             lm_head=True)
+    export_gguf(qh, tmp_path / "q8h.gguf", "q8_0", progress=False)
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8h.gguf").tensors}
+    assert kinds["output.weight"] == "Q8_0" and kinds["token_embd.weight"] == "BF16"
 
 
 # ------------------------------------------------------------------ llama.cpp runs it

@@ -93,10 +93,34 @@ def test_quantized_families_match_transformers_on_dequantized_weights(family_sou
     _check_quantized(family_source, fmt, tmp_path, per_position=fmt == "int8")
 
 
-def _check_quantized(source, fmt, tmp_path, per_position: bool = False):
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quantized_lm_head_matches_transformers_and_stays_quantized(source, fmt, tmp_path):
+    """`moetune quantize --lm-head`: the LM head in the checkpoint's format too (as llama.cpp's Q8_0 quantizes its
+    output matrix), loaded and run quantized, against transformers on the dequantized weights, same bounds."""
+    llm = _check_quantized(source, fmt, tmp_path, lm_head=True)
+    assert llm.model.w["lm_head"].format == KIND[fmt].format
+
+
+def test_quantizing_a_tied_lm_head_is_one_clear_error(family_source, tmp_path):
+    from engine.config import ModelConfig
+    from engine.errors import MoetuneError
+
+    if not ModelConfig.from_file(family_source).tie_word_embeddings:
+        with safe_open(next(family_source.glob("*.safetensors")), "pt") as st:
+            assert "lm_head.weight" in st.keys()  # untied: quantized like the projections
+        q = quantize_checkpoint(family_source, tmp_path / "q", "int8", progress=False, lm_head=True)
+        with safe_open(next(q.glob("*.safetensors")), "pt") as st:
+            assert st.get_tensor("lm_head.weight").dtype == torch.int8 and "lm_head.weight_scale" in st.keys()
+        return
+    with pytest.raises(MoetuneError, match="ties its LM head to the embeddings"):
+        quantize_checkpoint(family_source, tmp_path / "q", "int8", progress=False, lm_head=True)
+    assert not (tmp_path / "q").exists()  # nothing written
+
+
+def _check_quantized(source, fmt, tmp_path, per_position: bool = False, lm_head: bool = False):
     from transformers import AutoModelForCausalLM
 
-    q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False)
+    q = quantize_checkpoint(source, tmp_path / fmt, fmt, progress=False, lm_head=lm_head)
     deq = dequantized_copy(q, tmp_path / "deq", in_features(source))
     ref_model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
     ref = hf_logits(ref_model.eval(), PROMPT)
@@ -118,6 +142,9 @@ def _check_quantized(source, fmt, tmp_path, per_position: bool = False):
     for key in ("layers.0.k_proj", "layers.0.v_proj"):
         assert key not in w or w[key].format == kind.format
     assert llm.model.w["embed"].dtype == torch.float32  # embeddings stay high precision
+    if not lm_head:
+        assert llm.model.w["lm_head"].format == "dense"  # as the releases keep it
+    return llm
 
 
 def test_quantized_layouts_follow_the_releases(source, tmp_path):

@@ -11,7 +11,9 @@ layouts (fp8, int8) or moetune's own group-INT4 layout (int4).
   `weight_scale` [N, Kp/group] (amax / 7 per group), and `quantization_config` {quant_method:
   moetune_int4, group_size, symmetric: true}. Weight-only; moetune's own layout (no released
   checkpoint uses it), read by engine/weights/loader.py.
-Embeddings, the LM head, norms, the router and its bias stay as they are. Streams shard by shard.
+Embeddings, the LM head, norms, the router and its bias stay as they are, as in the released checkpoints;
+`lm_head=True` (`--lm-head`) quantizes an untied LM head too, into the same format (llama.cpp's Q8_0 does: its
+output matrix is the largest single read of a decode step of a small model). Streams shard by shard.
 """
 from __future__ import annotations
 
@@ -34,9 +36,14 @@ FORMATS = ("fp8", "int8", "int4")
 FP8_BLOCK = (128, 128)
 
 
-def quantize_tensor(name: str, t: torch.Tensor, to: str, group: int = 128) -> dict[str, torch.Tensor]:
-    """The tensors that replace `name` in the output checkpoint."""
-    if not is_quantizable(name) or t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+LM_HEAD = "lm_head.weight"
+
+
+def quantize_tensor(name: str, t: torch.Tensor, to: str, group: int = 128,
+                    lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors that replace `name` in the output checkpoint (lm_head: the LM head's weight too)."""
+    wanted = is_quantizable(name) or (lm_head and name == LM_HEAD)
+    if not wanted or t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
         return {name: t}
     if to == "fp8":
         q = quantize_fp8_block(t, FP8_BLOCK)
@@ -63,14 +70,17 @@ def _out_config(src: Path, to: str, group: int) -> dict:
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: bool = True,
-                        group: int = 128) -> Path:
-    """`group`: inputs per scale, int4 only."""
+                        group: int = 128, lm_head: bool = False) -> Path:
+    """`group`: inputs per scale, int4 only. `lm_head`: quantize the LM head too (an untied one)."""
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise MoetuneError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
     if group not in INT4_GROUPS:
         raise MoetuneError(f"--group must be one of {', '.join(map(str, INT4_GROUPS))}, got {group}")
-    ModelConfig.from_file(src)  # a clear error for anything we could not load afterwards
+    model_cfg = ModelConfig.from_file(src)  # a clear error for anything we could not load afterwards
+    if lm_head and model_cfg.tie_word_embeddings:
+        raise MoetuneError(f"{src} ties its LM head to the embeddings (tie_word_embeddings): there is no separate "
+                           "LM head to quantize; leave out --lm-head")
     cfg = _out_config(src, to, group)
     files = shard_files(src)
     if dst.exists() and any(dst.iterdir()):
@@ -81,7 +91,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: boo
         out = {}
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                out.update(quantize_tensor(name, st.get_tensor(name), to, group))
+                out.update(quantize_tensor(name, st.get_tensor(name), to, group, lm_head))
         save_file(out, dst / f.name, metadata={"format": "pt"})
         weight_map.update({k: f.name for k in out})
     total = sum((dst / f.name).stat().st_size for f in files)
@@ -95,10 +105,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: boo
     return dst
 
 
-def cached_quantization(src: str | Path, to: str, progress: bool = True) -> Path:
+def cached_quantization(src: str | Path, to: str, progress: bool = True, lm_head: bool = False) -> Path:
     """`src` quantized to `to` once, in the cache (<cache>/quantized/<name>-<hash of the source's
-    path>-<to>); written to a temporary folder renamed into place, so a killed run leaves nothing
-    that a later one would take for a finished checkpoint."""
+    path>-<to>, `-head` added where the LM head is quantized too); written to a temporary folder renamed
+    into place, so a killed run leaves nothing that a later one would take for a finished checkpoint."""
     import hashlib
     import os
 
@@ -106,13 +116,13 @@ def cached_quantization(src: str | Path, to: str, progress: bool = True) -> Path
 
     src = Path(src).resolve()
     tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
-    dst = cache_root() / "quantized" / f"{src.name}-{tag}-{to}"
+    dst = cache_root() / "quantized" / f"{src.name}-{tag}-{to}{'-head' if lm_head else ''}"
     if (dst / "config.json").is_file():
         return dst
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        quantize_checkpoint(src, tmp, to, progress)
+        quantize_checkpoint(src, tmp, to, progress, lm_head=lm_head)
         if not (dst / "config.json").is_file():  # another process may have finished first
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)

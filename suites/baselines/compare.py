@@ -1,7 +1,7 @@
 """`moetune compare`: our engine and its baselines on the same model, machine and run, alternately.
 
     moetune compare [--model small] [--baselines llama.cpp,ik_llama.cpp,ktransformers] [--workloads io:128/32,ttft:512]
-                    [--precision bf16|int8|fp32] [--repeats 5] [--threads N]
+                    [--precision bf16|int8|int8-head|fp32] [--repeats 5] [--threads N]
 
 Workloads (the seeds' workloads, scaled to the machine by their lengths):
     io:P/D        one request, P prompt tokens, D generated: TTFT, TPOT, prefill and decode tokens/s
@@ -36,7 +36,8 @@ GGUF_BASELINES = ("llama.cpp", "ik_llama.cpp")  # the whole model, from the GGUF
 ALIASES = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "ik_llama.cpp": "ik_llama.cpp",
            "ik-llama.cpp": "ik_llama.cpp", "ikllama": "ik_llama.cpp", "ik": "ik_llama.cpp",
            "ktransformers": "ktransformers", "kt-kernel": "ktransformers", "kt": "ktransformers"}
-PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0")}
+PRECISIONS = {"bf16": ("bfloat16", "bf16"), "fp32": ("float32", "f32"), "int8": ("bfloat16", "q8_0"),
+              "int8-head": ("bfloat16", "q8_0")}
 DEFAULT_WORKLOADS = "io:128/32,ttft:512"
 
 
@@ -50,7 +51,9 @@ def add_parser(sub) -> None:
     c.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help="comma list: io:P/D, ttft:P[;P...], moe:T[;T...] (default %(default)s)")
     c.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS),
-                   help="ours ↔ GGUF: bf16 ↔ BF16, fp32 ↔ F32, int8 (INT8-channel) ↔ Q8_0")
+                   help="ours ↔ GGUF: bf16 ↔ BF16, fp32 ↔ F32, int8 (INT8-channel) ↔ Q8_0, both LM heads BF16 as "
+                        "released INT8 checkpoints keep it; int8-head: the LM head INT8 too (`moetune quantize "
+                        "--lm-head`) ↔ Q8_0 with a Q8_0 output matrix, as llama.cpp quantizes by default")
     c.add_argument("--repeats", type=int, default=5, help="measured runs per engine (≥ 5 for the record)")
     c.add_argument("--threads", type=int, default=None, help="threads for every engine (default: usable cores)")
     c.add_argument("--moe-shape", default="v3", help="moe workloads: v3 (7168/2048/top-8), small, tiny")
@@ -111,13 +114,14 @@ def py_loop(engine: str) -> str:
 
 
 def our_model(model: str, precision: str) -> str:
-    """The checkpoint ours runs: the model itself, or its INT8-channel quantization (cached)."""
-    if precision != "int8":
+    """The checkpoint ours runs: the model itself, or its INT8-channel quantization (cached; int8-head: with the
+    LM head quantized too, which the GGUF export then writes as Q8_0)."""
+    if precision not in ("int8", "int8-head"):
         return model
     from engine.weights.presets import resolve_model
     from engine.weights.quantize import cached_quantization
 
-    return str(cached_quantization(resolve_model(model), "int8"))
+    return str(cached_quantization(resolve_model(model), "int8", lm_head=precision == "int8-head"))
 
 
 # ------------------------------------------------------------------ measuring
@@ -265,7 +269,7 @@ def run_moe(args, workloads: list[dict], threads: int) -> list[dict]:
 
     from suites.baselines.ktkernel import METHODS, SHAPES, KtKernel, our_inputs, our_layer, relative_error, time_ours
 
-    fmt = "bf16" if args.precision in ("bf16", "fp32") else args.precision
+    fmt = "bf16" if args.precision in ("bf16", "fp32") else "int8" if args.precision == "int8-head" else args.precision
     if args.moe_shape not in SHAPES:
         raise MoetuneError(f"--moe-shape must be one of {', '.join(SHAPES)}")
     if fmt not in METHODS:
