@@ -1,12 +1,15 @@
 """Fused-MoE variants timed in alternation within one process: formats and knob settings side by side.
 
-    python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
+    python -m suites.moe_ab --shape small|v3 [--tokens 1] [--repeats 20] [--no-flush] VARIANT [VARIANT ...]
     python -m suites.moe_ab --linear N,K [--tokens 1] [--repeats 20] VARIANT [VARIANT ...]
 
 A VARIANT is FORMAT or FORMAT:KNOB=VALUE[,KNOB=VALUE...], e.g. `int8 fp8:cpu_fp8_method=vector int4`.
 Round r calls every variant once, in order, each call on a routing of its own (the suite's routings ×
 variants, in turn: no call routes to the experts of the call before it, which the last-level cache would
-still hold, as the variants of one format share their weights; a variant setting a load-time knob,
+still hold, as the variants of one format share their weights; and, untimed before each call, a read of twice
+the last-level cache from a buffer of its own (`--no-flush` leaves it out): a 480 MiB L3 (the AMX VM) holds
+most of an INT4 `small` stack (311 MB) across the rounds, and without the read INT4 ran ×1.87 INT8's speed
+where the kernel suite, which reads 1 GiB between calls, measured ×1.64 (session 43); a variant setting a load-time knob,
 `cpu_huge_pages`, gets weights of its own prepared under it); after 2 warm-up rounds the
 median and p10–p90 of each variant are printed with its GB/s (weight bytes of the experts touched)
 and its speed relative to the first variant. On a shared machine the figures drift between runs,
@@ -77,7 +80,16 @@ def call_routing(r: int, j: int, variants: int) -> int:
     return (r * variants + j) % (ROUTINGS * variants)
 
 
-def run(shape: str, tokens: int, repeats: int, variants: list[str], out=None) -> list[dict]:
+def flusher():
+    """An untimed read of twice the last-level cache (at most 2 GiB), so that the next call finds none of its
+    weights cached."""
+    from suites.kernels import last_level_cache_bytes
+
+    buf = torch.ones(min(2 * last_level_cache_bytes(), 2 << 30) // 4)
+    return lambda: buf.sum()
+
+
+def run(shape: str, tokens: int, repeats: int, variants: list[str], out=None, flush: bool = True) -> list[dict]:
     out = out or sys.stdout
     import kernels.cpu as cpu
     from suites.kernels import ROUTINGS, expert_bytes, random_routes, random_weight
@@ -106,8 +118,9 @@ def run(shape: str, tokens: int, repeats: int, variants: list[str], out=None) ->
         w13, w2, _ = weights[keys[j]]
         cpu.fused_moe(x, w13, w2, *routes[call_routing(r, j, len(parsed))], knobs=structs[j])
 
-    times = alternate(call, len(parsed), repeats)
-    print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}", file=out)
+    times = alternate(call, len(parsed), repeats, before=flusher() if flush else None)
+    print(f"machine {fingerprint().get('hardware_key', '?')}  {shape} D={d} I={i} E={e} top-{k}  T={tokens}"
+          f"{'' if flush else '  (no flush: the last-level cache may hold experts)'}", file=out)
     return _report(variants, [touched * weights[key][2] for key in keys], times, out)
 
 
@@ -146,11 +159,14 @@ def run_linear(n: int, k: int, tokens: int, repeats: int, variants: list[str], o
     return _report(variants, [nbytes[key] for key in keys], times, out)
 
 
-def alternate(call, variants: int, repeats: int) -> list[list[float]]:
-    """Round r calls call(r, j) for every variant j in turn; each call's seconds after 2 warm-up rounds."""
+def alternate(call, variants: int, repeats: int, before=None) -> list[list[float]]:
+    """Round r calls call(r, j) for every variant j in turn (`before()` untimed ahead of each); each call's
+    seconds after 2 warm-up rounds."""
     times: list[list[float]] = [[] for _ in range(variants)]
     for r in range(repeats + 2):
         for j in range(variants):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             call(r, j)
             if r >= 2:
@@ -178,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--linear", metavar="N,K", help="time a linear of an [N, K] weight instead of fused MoE")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-flush", action="store_true",
+                    help="fused MoE: no read of twice the last-level cache before each call")
     ap.add_argument("variants", nargs="+")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.repeats < 1:
@@ -191,7 +209,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--linear {a.linear!r}: expected N,K (two integers)") from None
             run_linear(n, k, a.tokens, a.repeats, a.variants)
         else:
-            run(a.shape, a.tokens, a.repeats, a.variants)
+            run(a.shape, a.tokens, a.repeats, a.variants, flush=not a.no_flush)
     except (ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

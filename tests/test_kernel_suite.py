@@ -98,6 +98,19 @@ def test_moe_ab_never_routes_a_call_to_the_experts_of_the_call_before(variants):
         assert len(set(mine)) == ROUTINGS and all(mine.count(c) == 8 for c in set(mine))
 
 
+def test_moe_ab_runs_before_each_call_untimed():
+    """The flush read (alternate's `before`) runs ahead of every call, warm-ups included, and outside its time."""
+    import time
+
+    from suites import moe_ab
+
+    log = []
+    times = moe_ab.alternate(lambda r, j: log.append(("call", r, j)), 2, 3,
+                             before=lambda: (log.append(("before",)), time.sleep(0.02)))
+    assert log[0::2] == [("before",)] * 10 and [e[1:] for e in log[1::2]] == [(r, j) for r in range(5) for j in range(2)]
+    assert len(times) == 2 and all(len(t) == 3 and max(t) < 0.01 for t in times)
+
+
 @pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
 def test_moe_ab_builds_each_variants_knob_struct_once():
     """The per-call knobs go to the kernels as a struct built once per variant (a dict is converted at every call,
