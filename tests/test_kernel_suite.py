@@ -98,17 +98,28 @@ def test_moe_ab_never_routes_a_call_to_the_experts_of_the_call_before(variants):
         assert len(set(mine)) == ROUTINGS and all(mine.count(c) == 8 for c in set(mine))
 
 
-def test_moe_ab_runs_before_each_call_untimed():
-    """The flush read (alternate's `before`) runs ahead of every call, warm-ups included, and outside its time."""
-    import time
+def test_moe_ab_runs_before_each_call_untimed(monkeypatch):
+    """The flush read (alternate's `before`) runs ahead of every call, warm-ups included, and outside its time
+    (a fake clock: `before` advances it by 1 s, a call by 1 ms, so each timed call must read exactly 1 ms)."""
+    import types
 
     from suites import moe_ab
 
+    clock = [0.0]
+    monkeypatch.setattr(moe_ab, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     log = []
-    times = moe_ab.alternate(lambda r, j: log.append(("call", r, j)), 2, 3,
-                             before=lambda: (log.append(("before",)), time.sleep(0.02)))
+
+    def call(r, j):
+        log.append(("call", r, j))
+        clock[0] += 1e-3
+
+    def before():
+        log.append(("before",))
+        clock[0] += 1.0
+
+    times = moe_ab.alternate(call, 2, 3, before=before)
     assert log[0::2] == [("before",)] * 10 and [e[1:] for e in log[1::2]] == [(r, j) for r in range(5) for j in range(2)]
-    assert len(times) == 2 and all(len(t) == 3 and max(t) < 0.01 for t in times)
+    assert len(times) == 2 and all(len(t) == 3 and all(abs(x - 1e-3) < 1e-9 for x in t) for t in times)
 
 
 @pytest.mark.skipif(bool(missing_isa()), reason="the cpu kernels cannot run here")
