@@ -1073,7 +1073,7 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
       const int64_t n0 = nb * 32;
       const bool two = n0 + 16 < N;  // N is whole 16-row blocks: the second may be missing (its B tiles zero)
       const float* sc[2] = {W.scale + n0 * W.scale_ld, two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
-      // scale·zero per block, or (symmetric weights: no zero stream) 8·scale, the same float32 product
+      // scale·zero per block, none for symmetric weights (int4_scale_zero)
       const float* sz[2] = {W.zero ? W.zero + n0 * W.scale_ld : nullptr, W.zero && two ? W.zero + (n0 + 16) * W.scale_ld : nullptr};
       if (!two) {
         std::memset(b + 1024, 0, 1024);
@@ -1098,7 +1098,7 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
           float* acc = accs + mb * 1024;
           for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
             const __m512 s = _mm512_loadu_ps(sc[h] + 16 * g);
-            const __m512 z = sz[h] ? _mm512_loadu_ps(sz[h] + 16 * g) : _mm512_mul_ps(s, _mm512_set1_ps(8.f));
+            const __m512 z = int4_scale_zero(sz[h], 16 * g, s);
             for (int64_t i = 0; i < rows; ++i) {
               const int64_t m = 32 * mb + i;
               float* ai = acc + 32 * i + 16 * h;

@@ -272,6 +272,12 @@ inline void prefetch_line(const void* line, int hint) {
   else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(line));
 }
 
+// INT4 r16: 16 rows' scale·zero products of one group: the block's stored ones at sz + off, or, for a symmetric
+// weight, which keeps none (sz null), 8·scale, the same float32 product
+inline __m512 int4_scale_zero(const float* sz, int64_t off, __m512 s) {
+  return sz ? _mm512_loadu_ps(sz + off) : _mm512_mul_ps(s, _mm512_set1_ps(8.f));
+}
+
 // 16 float32 lanes rounded to bfloat16 (nearest even; finite values: attention's queries and
 // probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16).
 inline __m256i bf16x16(__m512 x) {
