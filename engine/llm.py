@@ -22,7 +22,7 @@ from engine.profile import Profile, find_profile, load_profile, model_key
 from engine.sampling import TokenLogprob, token_logprobs
 from engine.scheduler import Request, Scheduler
 from engine.tokenizer import IncrementalDecoder, Tokenizer
-from engine.weights.loader import load_weights
+from engine.weights.loader import lm_head_quantized, load_weights
 from engine.weights.presets import resolve_model
 
 log = logging.getLogger("moetune")
@@ -34,6 +34,11 @@ def _format_name(cfg: ModelConfig, dtype: str) -> str:
     if cfg.quant is not None:
         return {"fp8": "fp8", "moetune_int4": "int4"}.get(cfg.quant.method, "int8")
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
+
+
+def checkpoint_model_key(path, cfg: ModelConfig, dtype: str) -> str:
+    """The profile key of the checkpoint at `path` run at `dtype` (the engine and the tuner both key by it)."""
+    return model_key(cfg, _format_name(cfg, dtype), quantized_head=lm_head_quantized(path))
 
 
 def _pick_profile(profile, mkey: str, force: bool) -> Profile | None:
@@ -109,7 +114,7 @@ class LLM:
         self.device = resolve_device(device)
         self.path = resolve_model(model, progress)
         self.config = ModelConfig.from_file(self.path)
-        self.model_key = model_key(self.config, _format_name(self.config, dtype))
+        self.model_key = checkpoint_model_key(self.path, self.config, dtype)
         self.profile = _pick_profile(profile, self.model_key, force_profile)
         self.knobs = resolve_knobs({**(self.profile.knobs if self.profile else {}), **(knobs or {})})
         torch.set_num_threads(self.knobs["threads"])

@@ -39,10 +39,12 @@ class Profile:
         return self.meta.get("model_key", "")
 
 
-def model_key(cfg, fmt: str) -> str:
-    """The model's shape and weight format, e.g. deepseek_v3-d2048-l3-e64k6-i1408-h16-bf16."""
+def model_key(cfg, fmt: str, quantized_head: bool = False) -> str:
+    """The model's shape and weight format, e.g. deepseek_v3-d2048-l3-e64k6-i1408-h16-bf16; "-qhead" after it
+    where the LM head is quantized too (a different decode step: the head is its largest single read)."""
     return (f"{cfg.model_type}-d{cfg.hidden_size}-l{cfg.num_hidden_layers}-e{cfg.n_routed_experts}"
-            f"k{cfg.num_experts_per_tok}-i{cfg.moe_intermediate_size}-h{cfg.num_attention_heads}-{fmt}")
+            f"k{cfg.num_experts_per_tok}-i{cfg.moe_intermediate_size}-h{cfg.num_attention_heads}-{fmt}"
+            f"{'-qhead' if quantized_head else ''}")
 
 
 def profile_dir() -> Path:

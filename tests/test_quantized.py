@@ -99,6 +99,12 @@ def test_quantized_lm_head_matches_transformers_and_stays_quantized(source, fmt,
     output matrix), loaded and run quantized, against transformers on the dequantized weights, same bounds."""
     llm = _check_quantized(source, fmt, tmp_path, lm_head=True)
     assert llm.model.w["lm_head"].format == KIND[fmt].format
+    # its own profile key: a profile tuned with a BF16 head is not this checkpoint's (nor the other way round)
+    assert llm.model_key.endswith(f"-{fmt}-qhead")
+    plain = quantize_checkpoint(source, tmp_path / "plain", fmt, progress=False)
+    from engine.config import ModelConfig
+    from engine.llm import checkpoint_model_key
+    assert checkpoint_model_key(plain, ModelConfig.from_file(plain), "float32") == llm.model_key[:-len("-qhead")]
 
 
 def test_quantizing_a_tied_lm_head_is_one_clear_error(family_source, tmp_path):

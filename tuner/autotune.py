@@ -101,12 +101,11 @@ def run_autotune(args) -> int:
 
 def _model_key(args) -> str:
     from engine.config import ModelConfig
-    from engine.llm import _format_name
+    from engine.llm import checkpoint_model_key
     from engine.weights.presets import resolve_model
-    from tuner.profile import model_key
 
-    cfg = ModelConfig.from_file(resolve_model(args.model, True))
-    return model_key(cfg, _format_name(cfg, args.dtype))
+    path = resolve_model(args.model, True)
+    return checkpoint_model_key(path, ModelConfig.from_file(path), args.dtype)
 
 
 def objective_from_args(args, fmt: str = ""):

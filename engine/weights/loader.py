@@ -62,6 +62,23 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
+def lm_head_quantized(path: Path) -> bool:
+    """Whether the checkpoint's LM head is stored quantized (`moetune quantize --lm-head`, llama.cpp's Q8_0
+    output): its weight is an int8, packed-int4 or float8 tensor. Reads one shard's header (the one the index
+    names); False for a tied or float head."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = shard_files(path)
+    if index.is_file():
+        shard = json.loads(index.read_text())["weight_map"].get("lm_head.weight")
+        files = [path / shard] if shard else []
+    for f in files:
+        info = scan([f]).get("lm_head.weight")
+        if info is not None:
+            return info.dtype in ("I8", "U8", "F8_E4M3")
+    return False
+
+
 def scan(files: list[Path]) -> dict[str, TensorInfo]:
     """Read every shard's header (no tensor data): name → shard, dtype, shape."""
     infos: dict[str, TensorInfo] = {}
