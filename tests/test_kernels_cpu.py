@@ -1151,6 +1151,54 @@ def test_int4_r16_symmetric_weights_read_no_zero_stream_and_give_its_bits():
     check(cpu.linear(x, q), reference.linear(x, w), INT4_INT8, "int4 r16 one zero point off 8")
 
 
+def with_zero_points(p):
+    """A symmetric row-major INT4 weight as passed before the kernels took 8: its zero points as a stream."""
+    return cpu.Packed(p.orig, p.args[:5] + (p.orig.zero.float().contiguous(),) + p.args[6:])
+
+
+# every row-major INT4 path: the microkernels per method and dot instruction (few tokens), the GEMM engines (every
+# row on the GEMM path), each with the models it needs
+INT4_ROWS_PATHS = ([({"cpu_int4_method": m, "cpu_int8_isa": isa}, emu) for m in ("int8", "int16", "float")
+                    for isa, emu in (("vnni", ["avx512_vnni"]), ("maddubs", []), ("avx512", []))]
+                   + [({"cpu_int4_gemm": gemm, "cpu_gemm_min_tokens": 1, "cpu_dot_gemm_min_tokens": 1,
+                        "cpu_amx_min_tokens": 1 if gemm == "amx" else 4096}, emu)
+                      for gemm, emu in (("unpack", []), ("vnni", ["avx512_vnni"]), ("maddubs", []),
+                                        ("amx", ["amx", "avx512_vnni"]))])
+
+
+def test_int4_rows_symmetric_weights_read_no_zero_points_and_give_their_bits():
+    """Row-major INT4 with every zero point 8 (the quantizer's and the loader's symmetric weights): the kernels get
+    no zero points (4 bytes fewer per group of a row; nbytes says so) and take 8, which gives bitwise the result with
+    the zero points passed, on every microkernel method and dot instruction, every GEMM engine (on their models),
+    linear and fused MoE; one zero point off 8 keeps them."""
+    g = torch.Generator().manual_seed(9)
+    for t, n, k, group in ((1, 48, 384, 128), (5, 37, 1000, 64), (3, 40, 256, 32), (40, 64, 512, 128), (70, 33, 384, 64)):
+        w = formats.quantize_int4_group(torch.randn(n, k, generator=g) * 0.05, group)
+        p = cpu.prepare(w, layout="rows")
+        assert p.args[5].numel() == 0 and p.nbytes == w.packed.nbytes + w.scale.nbytes
+        z = with_zero_points(p)
+        assert z.args[5].numel() == w.zero.numel()
+        x = torch.randn(t, k, generator=g)
+        for knobs, emu in INT4_ROWS_PATHS:
+            with cpu.emulate(emu):
+                got = cpu.linear(x, p, knobs=knobs)
+                assert torch.equal(got, cpu.linear(x, z, knobs=knobs)), (t, n, k, group, knobs)
+        check(got, reference.linear(x, w), INT4_INT8, f"int4 rows symmetric t{t} n{n} k{k} g{group}")
+    w.zero[3, 1] = 7.0  # one zero point off 8: they are passed, and the result follows them
+    q = cpu.prepare(w, layout="rows")
+    assert q.args[5].numel() == w.zero.numel() and q.nbytes == w.nbytes
+    check(cpu.linear(x, q, knobs={"cpu_int4_method": "float"}), reference.linear(x, w), INT4_INT8, "one zero point off 8")
+    for case in ("t1", "odd_t13"):
+        p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, True, "rows", "rows")
+        assert p13.args[5].numel() == 0 == p2.args[5].numel()
+        for knobs, emu in (INT4_ROWS_PATHS[0], INT4_ROWS_PATHS[-2]):
+            with cpu.emulate(emu):
+                got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=knobs)
+                assert torch.equal(got, cpu.fused_moe(x, with_zero_points(p13), with_zero_points(p2), tw, ids,
+                                                      knobs=knobs)), (case, knobs)
+        check(got, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, f"int4 rows symmetric moe {case}")
+
+
 def test_int4_r16_moe_tasks_change_no_result_bitwise():
     """cpu_moe_int4_tasks only regroups INT4 r16 rows into longer tasks (each output row is one tile's, each down
     output sums the experts in order within its task): every value, on 1 and 2 threads, with cpu_moe_block_n 16 so

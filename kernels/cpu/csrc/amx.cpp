@@ -921,7 +921,7 @@ void pack_int4_b(const WeightView& W, int64_t n0, int64_t G, int64_t kbytes, uin
     for (int64_t j = 0; j < 32; ++j) {
       const int64_t n = n0 + j;
       sz[64 * g + j] = n < W.N ? W.scale[n * W.scale_ld + g] : 0.f;
-      sz[64 * g + 32 + j] = n < W.N ? W.zero[n * W.scale_ld + g] : 0.f;
+      sz[64 * g + 32 + j] = n < W.N ? int4_zero(W.zero, n * W.scale_ld + g) : 0.f;
     }
   if (n0 + 32 <= W.N && 2 * W.row_bytes == kbytes) {
     // a whole block (32 rows inside N, whole 64-byte K tiles): each half's K tile goes from its rows' 32 packed bytes
@@ -1582,7 +1582,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, b
   const bool model = engine == kTilesDotModel;
   TORCH_CHECK(!amx || W.group % 64 == 0, "INT4 GEMM on AMX: groups of a multiple of 64 (whole K tiles)");
   check_amx_engine(engine);
-  TORCH_CHECK(W.fmt == kInt4 && W.scale && W.zero && W.group % 32 == 0, "INT4 GEMM: INT4 weights in groups of a multiple of 32");
+  TORCH_CHECK(W.fmt == kInt4 && W.scale && W.group % 32 == 0, "INT4 GEMM: INT4 weights in groups of a multiple of 32");
   TORCH_CHECK(engine != kTilesDot || (usable_features() & kFeatVnni), "INT4 GEMM: this CPU has no AVX512-VNNI (or it is masked off)");
   TORCH_CHECK(x_act.dim() == 2 && x_act.size(1) == W.K && x_act.scalar_type() == at::kFloat, "INT4 GEMM: x float32 [M, K]");
   const int64_t R = amx ? 32 : kInt4GemmRows;  // A's row block: AMX's 2 × 2 tiles, or int4_block's rows

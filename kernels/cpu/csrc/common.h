@@ -272,6 +272,10 @@ inline void prefetch_line(const void* line, int hint) {
   else if (hint == kPrefetchT2) asm volatile("prefetcht2 (%0)" : : "r"(line));
 }
 
+// INT4 rows: a row's zero point of one group: the stored one at zero[off], or, for a symmetric weight, which keeps
+// no zero points (zero null), 8
+inline float int4_zero(const float* zero, int64_t off) { return zero ? zero[off] : 8.f; }
+
 // INT4 r16: 16 rows' scale·zero products of one group: the block's stored ones at sz + off, or, for a symmetric
 // weight, which keeps none (sz null), 8·scale, the same float32 product
 inline __m512 int4_scale_zero(const float* sz, int64_t off, __m512 s) {

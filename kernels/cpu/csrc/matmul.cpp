@@ -104,7 +104,8 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   v.bf16_ymm = v.bf16_split && (kn.bf16_method == kBf16Split256 || (kn.bf16_method == kBf16MethodAuto && kAvx2Build));
   v.k_block = kn.k_block;
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
-  TORCH_CHECK(fmt != kInt4 || (v.zero && v.scale && group % 32 == 0), "int4 needs scale, zero and group % 32 == 0");
+  // INT4 without zero points: symmetric weights, every zero point 8 (prepare keeps no zero stream for them)
+  TORCH_CHECK(fmt != kInt4 || (v.scale && group % 32 == 0), "int4 needs scale and group % 32 == 0");
   TORCH_CHECK(fmt != kInt4R16 || (v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
               "int4 r16 needs groups of 128, rows in whole blocks of 16 and its block scales");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
@@ -604,7 +605,7 @@ void unpack_rows_f32(const WeightView& W, int64_t r0, int64_t r1, float* dst) {
         b = _mm512_mul_ps(b, s);
       } else if (W.fmt == kInt4) {
         const int64_t g = k / W.group;
-        const __m512 s = _mm512_set1_ps(W.scale[r * W.scale_ld + g]), z = _mm512_set1_ps(W.zero[r * W.scale_ld + g]);
+        const __m512 s = _mm512_set1_ps(W.scale[r * W.scale_ld + g]), z = _mm512_set1_ps(int4_zero(W.zero, r * W.scale_ld + g));
         a = _mm512_mul_ps(_mm512_sub_ps(a, z), s);
         b = _mm512_mul_ps(_mm512_sub_ps(b, z), s);
       }

@@ -154,7 +154,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
     const int64_t rr = tile_row(W, r0, r);
     row[r] = W.w + rr * W.row_bytes;
     if constexpr (F == kFp8) srow[r] = W.scale + (rr / W.block_n) * W.scale_ld;
-    if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero + rr * W.scale_ld;
+    if constexpr (F == kInt4) srow[r] = W.scale + rr * W.scale_ld, zrow[r] = W.zero ? W.zero + rr * W.scale_ld : nullptr;
   }
   const uint8_t* nrow[R];
   for (int r = 0; r < R; ++r) nrow[r] = next_tile_row(W, next, r);
@@ -191,7 +191,7 @@ void micro_float(const WeightView& W, int64_t r0, const Act& A, const int64_t* t
         const __m512 s = _mm512_set1_ps(srow[r][g]);
         for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
       } else if constexpr (F == kInt4) {
-        const float s = srow[r][g], z = zrow[r][g];
+        const float s = srow[r][g], z = int4_zero(zrow[r], g);
         for (int m = 0; m < MT; ++m) {
           acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
           corr[r][m] += s * z * A.gsum[tok[m] * A.gld + g];
@@ -266,7 +266,7 @@ struct Int4Tile {
       row[r] = W.w + rr * W.row_bytes;
       nrow[r] = next_tile_row(W, next, r);
       srow[r] = W.scale + rr * W.scale_ld;
-      zrow[r] = W.zero + rr * W.scale_ld;
+      zrow[r] = W.zero ? W.zero + rr * W.scale_ld : nullptr;  // none: symmetric, every zero point 8
     }
     // a later tile of this matrix (the next R rows, or with spread tiles the next row of each stream), as
     // far ahead as the weight rows' prefetch reaches (cpu_prefetch_ahead, at most a row: 1 or 2 tiles; fused
@@ -275,10 +275,10 @@ struct Int4Tile {
     const int64_t n0 = W.tile_stride > 1 ? r0 + ahead : r0 + ahead * R;
     for (int r = 0; r < R; ++r) {
       const float* ns = W.scale + (n0 + r * W.tile_stride) * W.scale_ld;
-      const float* nz = W.zero + (n0 + r * W.tile_stride) * W.scale_ld;
+      const float* nz = W.zero ? W.zero + (n0 + r * W.tile_stride) * W.scale_ld : nullptr;
       for (int64_t o = 0; o < W.scale_ld; o += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(ns + o), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
+        if (nz) _mm_prefetch(reinterpret_cast<const char*>(nz + o), _MM_HINT_T0);
       }
     }
   }
@@ -287,7 +287,8 @@ struct Int4Tile {
     __m512 c = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g += 16) {
       const __mmask16 mk = tail_mask16(G - g);
-      c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), _mm512_maskz_loadu_ps(mk, zrow[r] + g)),
+      const __m512 z = zrow[r] ? _mm512_maskz_loadu_ps(mk, zrow[r] + g) : _mm512_maskz_mov_ps(mk, _mm512_set1_ps(8.f));
+      c = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, srow[r] + g), z),
                           _mm512_maskz_loadu_ps(mk, gsum + g), c);
     }
     return hsum(c);
