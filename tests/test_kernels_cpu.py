@@ -1249,6 +1249,37 @@ def test_int4_r16_linear_matches_the_reference_and_the_row_major_kernel(case):
     assert torch.equal(cpu.linear(xh, p), reference.linear(xh, w))
 
 
+def test_int4_group_values_in_huge_pages_where_they_fill_one(monkeypatch):
+    """An INT4 weight's per-group values that the kernels read (rows: the scales, and the zero points where passed;
+    r16: the block scales and scale·zero products) go to huge-page storage from HUGE_MIN_BYTES (2 MiB; 64 KiB here, so
+    that small weights show it), as the weight bytes do; the result is bitwise that of ordinary pages
+    (cpu_huge_pages=false), and smaller ones stay where they are."""
+    monkeypatch.setattr(cpu, "HUGE_MIN_BYTES", 64 << 10)
+    g = torch.Generator().manual_seed(3)
+    w13 = {sym: formats.quantize_int4_group(torch.randn(2, 4096, 1024, generator=g) * 0.05, 128, sym)  # scales 256 KiB
+           for sym in (True, False)}
+    w2 = formats.quantize_int4_group(torch.randn(2, 1024, 2048, generator=g) * 0.05, 128)
+    small = formats.quantize_int4_group(torch.randn(64, 1024, generator=g) * 0.05, 128)  # scales 2 KiB
+    x, (tw, ids) = torch.randn(3, 1024, generator=g), routing(3, 2, 1, seed=2)
+    try:
+        for sym, w in w13.items():
+            for layout in ("rows", "r16"):
+                got = {}
+                for huge in (True, False):
+                    cpu.configure({"cpu_huge_pages": huge})
+                    p = cpu.prepare(w, layout=layout)
+                    passed = [a for a in p.args[4:6] if a.numel()]
+                    assert len(passed) == (1 if sym else 2), (layout, len(passed))
+                    assert all((a.data_ptr() % (2 << 20) == 0) == huge for a in passed), (huge, layout)
+                    got[huge] = cpu.fused_moe(x, p, cpu.prepare(w2, layout=layout), tw, ids)
+                assert torch.equal(got[True], got[False]), (sym, layout)
+                check(got[True], reference.fused_moe(x, w, w2, tw, ids), INT4_INT8_MOE, f"int4 {layout} sym={sym}")
+        cpu.configure({"cpu_huge_pages": True})
+        assert cpu.prepare(small).args[4].data_ptr() == small.scale.data_ptr()  # below one huge page: kept
+    finally:
+        cpu.configure({"cpu_huge_pages": cpu.KNOB_DEFAULTS["cpu_huge_pages"]})
+
+
 def test_int4_r16_layout_resolution_prepare_and_refusals():
     w13 = formats.quantize_int4_group(torch.randn(4, 64, 256) * 0.05, 128)
     lin = formats.quantize_int4_group(torch.randn(64, 256) * 0.05, 128)
