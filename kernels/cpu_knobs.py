@@ -429,8 +429,8 @@ CPU_KNOBS: tuple[Knob, ...] = (
          "whose GEMM runs on AMX from cpu_amx_min_tokens)", low=1, high=4096, log=True),
     Knob("cpu_huge_pages", bool, True, "kernels/cpu",
          "CPU kernels: each weight of ≥ 2 MiB in 2 MiB-aligned memory advised for transparent huge pages "
-         "(the loader places it there; a weight prepared from elsewhere is copied once): fewer TLB misses "
-         "while streaming experts from DRAM. Whole decode step on an Emerald Rapids VM x1.02-1.12 (INT8, "
+         "(the loader places it there; a weight prepared from elsewhere is copied once), and an INT4 weight's "
+         "scales of ≥ 2 MiB (copied at prepare): fewer TLB misses while streaming experts from DRAM. Whole decode step on an Emerald Rapids VM x1.02-1.12 (INT8, "
          "BF16), fused MoE on an AMD Zen 4 VM x0.98-1.04 (docs/cpu_kernels.md)",
          choices=(False, True), tune=False),
     Knob("cpu_attn_head_fold", int, 128, "kernels/cpu",
