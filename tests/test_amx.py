@@ -15,7 +15,6 @@ sums, scaled in the same write-back); BF16 within 1e-2 (the bf16 bound of tests/
 float32 activations under auto keep the float32 path (2e-5).
 """
 import contextlib
-import dataclasses
 
 import itertools
 
@@ -29,6 +28,7 @@ if missing_isa():
     pytest.skip(f"this CPU lacks {missing_isa()}: the cpu backend cannot run here", allow_module_level=True)
 
 import kernels.cpu as cpu  # noqa: E402
+from int4_streams import with_zero_stream  # noqa: E402
 
 BF16_BOUND = 2e-6
 SHAPES = {  # name → (M, N, K)
@@ -301,8 +301,7 @@ def test_int4_r16_on_amx_equals_the_r16_microkernels_bitwise(native):
         w2 = formats.quantize_int4_group(torch.randn(6, d, i, generator=g) * 0.05, 128)
         p13, p2 = cpu.prepare(w13, layout="r16"), cpu.prepare(w2, layout="r16")
         assert p13.orig.block_sz.numel() == 0 == p2.orig.block_sz.numel()
-        s13, s2 = (cpu.Packed(w, cpu._pack(w)) for w in (dataclasses.replace(q.orig, block_sz=cpu._block_groups(
-            q.orig.scale * q.orig.zero)) for q in (p13, p2)))
+        s13, s2 = with_zero_stream(p13), with_zero_stream(p2)
         with cpu.recording() as rec:
             got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=amx)
         assert tag in rec[-1]["isa"].split("+"), rec[-1]["isa"]

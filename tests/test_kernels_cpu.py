@@ -27,7 +27,6 @@ Plus: the engine's logits with this backend still match transformers (the bf16 b
 test_oracle_transformers).
 """
 import contextlib
-import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -41,6 +40,7 @@ if missing_isa():
 
 import kernels.cpu as cpu  # noqa: E402  (compiles the extension on first use)
 from engine.knobs import CATALOGUE  # noqa: E402
+from int4_streams import with_zero_points, with_zero_stream  # noqa: E402
 
 TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2, 2e-2, 1e-4, 1.5e-2, 3e-2
 
@@ -1119,12 +1119,6 @@ def test_int4_r16_knobs_change_no_result_bitwise_and_one_stack_in_each_layout():
     check(cpu.fused_moe(x, p13, p2, tw, ids, knobs={"cpu_int4_method": "int8"}),
           reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, "int4 r16 | rows")
 
-def with_zero_stream(p):
-    """A symmetric INT4 r16 weight as prepared before the tiles took 8·scale: its scale·zero products as a stream."""
-    w = dataclasses.replace(p.orig, block_sz=cpu._block_groups(p.orig.scale * p.orig.zero))
-    return cpu.Packed(w, cpu._pack(w))
-
-
 def test_int4_r16_symmetric_weights_read_no_zero_stream_and_give_its_bits():
     """Every zero point 8 (the quantizer's and the loader's symmetric INT4): prepare keeps no scale·zero products
     (6 % fewer bytes per weight, nbytes says so), and the tiles' 8·scale gives bitwise the stream's result, on every
@@ -1149,11 +1143,6 @@ def test_int4_r16_symmetric_weights_read_no_zero_stream_and_give_its_bits():
     q = cpu.prepare(w, layout="r16")
     assert q.orig.block_sz.numel() == q.orig.scale.numel()
     check(cpu.linear(x, q), reference.linear(x, w), INT4_INT8, "int4 r16 one zero point off 8")
-
-
-def with_zero_points(p):
-    """A symmetric row-major INT4 weight as passed before the kernels took 8: its zero points as a stream."""
-    return cpu.Packed(p.orig, p.args[:5] + (p.orig.zero.float().contiguous(),) + p.args[6:])
 
 
 # every row-major INT4 path: the microkernels per method and dot instruction (few tokens), the GEMM engines (every
