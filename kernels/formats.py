@@ -179,7 +179,9 @@ def quantize_int4_group(w: torch.Tensor, group: int = 128, symmetric: bool = Tru
     wf = torch.nn.functional.pad(w.float(), (0, -k % group)).unflatten(-1, (-1, group))  # [..., N, G, g]
     if symmetric:
         amax = wf.abs().amax(-1)
-        scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        # rounded to bfloat16 (nearest): the r16 tiles then read the scales in half the bytes (|w| / scale stays ≤ 7
+        # within the rounding, so no value leaves 1..15 before the clamp)
+        scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).bfloat16().float()
         zero = torch.full_like(scale, 8.0)
     else:
         lo, hi = wf.amin(-1).clamp(max=0), wf.amax(-1).clamp(min=0)

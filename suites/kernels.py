@@ -151,7 +151,8 @@ def random_weight(shape: tuple[int, ...], fmt: str, g: torch.Generator):
         return formats.Fp8BlockWeight((mag | sign).view(torch.float8_e4m3fn), scale, (128, 128))
     kp = -(-k // INT4_GROUP) * INT4_GROUP
     packed = torch.randint(0, 256, (*lead, n, kp // 2), generator=g, dtype=torch.uint8)
-    scale = torch.rand(*lead, n, kp // INT4_GROUP, generator=g) * 1e-2
+    # exact in bfloat16, as the quantizer's symmetric scales are (the r16 tiles then read them in half the bytes)
+    scale = (torch.rand(*lead, n, kp // INT4_GROUP, generator=g) * 1e-2).bfloat16().float()
     return formats.Int4GroupWeight(packed, scale, torch.full_like(scale, 8.0), k, INT4_GROUP)
 
 

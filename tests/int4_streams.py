@@ -14,3 +14,9 @@ def with_zero_stream(p):
 def with_zero_points(p):
     """A symmetric row-major INT4 weight with its zero points passed to the kernels."""
     return cpu.Packed(p.orig, p.args[:5] + (p.orig.zero.float().contiguous(),) + p.args[6:])
+
+
+def with_float_scales(p):
+    """An INT4 r16 weight whose bfloat16 block scales (exact) are float32 again, as prepare stored them before."""
+    w = dataclasses.replace(p.orig, block_scale=p.orig.block_scale.float())
+    return cpu.Packed(w, cpu._pack(w))

@@ -40,7 +40,7 @@ if missing_isa():
 
 import kernels.cpu as cpu  # noqa: E402  (compiles the extension on first use)
 from engine.knobs import CATALOGUE  # noqa: E402
-from int4_streams import with_zero_points, with_zero_stream  # noqa: E402
+from int4_streams import with_float_scales, with_zero_points, with_zero_stream  # noqa: E402
 
 TIGHT, BF16_LINEAR, BF16_MOE, INT4_INT16, INT4_INT8, INT4_INT8_MOE = 2e-5, 1e-2, 2e-2, 1e-4, 1.5e-2, 3e-2
 
@@ -1128,7 +1128,7 @@ def test_int4_r16_symmetric_weights_read_no_zero_stream_and_give_its_bits():
         assert p13.orig.block_sz.numel() == 0 == p2.orig.block_sz.numel()
         assert p13.nbytes == p13.orig.packed.nbytes + p13.orig.block_scale.nbytes
         s13, s2 = with_zero_stream(p13), with_zero_stream(p2)
-        assert s13.nbytes == p13.nbytes + p13.orig.block_scale.nbytes
+        assert s13.nbytes == p13.nbytes + 4 * p13.orig.scale.numel()  # the float32 scale·zero products
         for isa, emulated, _ in INT4_R16_POLICIES:
             kn = {"cpu_int8_isa": isa, "cpu_int4_r16_amx_min_tokens": 4096}
             with cpu.emulate(emulated):
@@ -1186,6 +1186,35 @@ def test_int4_rows_symmetric_weights_read_no_zero_points_and_give_their_bits():
                 assert torch.equal(got, cpu.fused_moe(x, with_zero_points(p13), with_zero_points(p2), tw, ids,
                                                       knobs=knobs)), (case, knobs)
         check(got, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, f"int4 rows symmetric moe {case}")
+
+
+def test_int4_r16_bf16_block_scales_give_the_float32_bits():
+    """Block scales that are all exact in bfloat16 (the quantizer rounds its symmetric scales so) are stored as
+    bfloat16 (2 bytes fewer per 128 weights of a row; nbytes says so), and give bitwise the float32 ones' result on
+    every microkernel policy and on the AMX GEMM (its model, and natively where it runs), fused MoE and linear; one
+    scale that is not exact keeps them all float32."""
+    for case in ("regular", "t1", "odd_t13"):
+        p13, p2, w13, w2, x, tw, ids = int4_r16_moe(case, symmetric=True)
+        assert p13.orig.block_scale.dtype == torch.bfloat16 == p2.orig.block_scale.dtype
+        f13, f2 = with_float_scales(p13), with_float_scales(p2)
+        assert f13.nbytes == p13.nbytes + p13.orig.block_scale.nbytes
+        runs = [({"cpu_int8_isa": isa, "cpu_int4_r16_amx_min_tokens": 4096}, emu) for isa, emu, _ in INT4_R16_POLICIES]
+        runs += [({"cpu_int4_gemm": "amx", "cpu_amx_min_tokens": 1, "cpu_int4_r16_amx_min_tokens": 1}, ["amx", "avx512_vnni"])]
+        if "amx" in cpu.features():
+            runs += [({"cpu_int4_gemm": "amx", "cpu_amx_min_tokens": 1, "cpu_int4_r16_amx_min_tokens": 1}, [])]
+        for kn, emu in runs:
+            with cpu.emulate(emu):
+                got = cpu.fused_moe(x, p13, p2, tw, ids, knobs=kn)
+                assert torch.equal(got, cpu.fused_moe(x, f13, f2, tw, ids, knobs=kn)), (case, kn, emu)
+        check(got, reference.fused_moe(x, w13, w2, tw, ids), INT4_INT8_MOE, f"int4 r16 bf16 scales {case}")
+    g = torch.Generator().manual_seed(6)
+    w = formats.quantize_int4_group(torch.randn(48, 384, generator=g) * 0.05, 128)
+    p, x = cpu.prepare(w, layout="r16"), torch.randn(7, 384, generator=g)
+    assert torch.equal(cpu.linear(x, p), cpu.linear(x, with_float_scales(p)))
+    w.scale[5, 2] = 0.0123456  # not exact in bfloat16: every block scale stays float32, and the result follows it
+    q = cpu.prepare(w, layout="r16")
+    assert q.orig.block_scale.dtype == torch.float32
+    check(cpu.linear(x, q), reference.linear(x, w), INT4_INT8, "int4 r16 one float32 scale")
 
 
 def test_int4_r16_moe_tasks_change_no_result_bitwise():

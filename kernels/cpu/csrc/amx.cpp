@@ -1072,7 +1072,9 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       const int64_t n0 = nb * 32;
       const bool two = n0 + 16 < N;  // N is whole 16-row blocks: the second may be missing (its B tiles zero)
-      const float* sc[2] = {W.scale + n0 * W.scale_ld, two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
+      const float* sc[2] = {W.scale ? W.scale + n0 * W.scale_ld : nullptr, W.scale && two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
+      const uint16_t* sch[2] = {W.scale_h ? W.scale_h + n0 * W.scale_ld : nullptr,
+                                W.scale_h && two ? W.scale_h + (n0 + 16) * W.scale_ld : nullptr};
       // scale·zero per block, none for symmetric weights (int4_scale_zero)
       const float* sz[2] = {W.zero ? W.zero + n0 * W.scale_ld : nullptr, W.zero && two ? W.zero + (n0 + 16) * W.scale_ld : nullptr};
       if (!two) {
@@ -1097,7 +1099,7 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
           int4_group_sums<T>(ag, ag + ktiles * 1024, b, 0, 2, c);
           float* acc = accs + mb * 1024;
           for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-            const __m512 s = _mm512_loadu_ps(sc[h] + 16 * g);
+            const __m512 s = int4_block_scales(sc[h], sch[h], 16 * g);
             const __m512 z = int4_scale_zero(sz[h], 16 * g, s);
             for (int64_t i = 0; i < rows; ++i) {
               const int64_t m = 32 * mb + i;
@@ -1652,7 +1654,7 @@ at::Tensor gemm_int4(const at::Tensor& x_act, const WeightView& W, int engine, b
 at::Tensor gemm_int4_r16(const PreparedAct& p, const int64_t* rows, int64_t M, const WeightView& W, int engine, bool bf16_out) {
   TORCH_CHECK(engine == kTilesAmx || engine == kTilesAmxModel, "INT4 r16 GEMM: AMX or its tile model only");
   check_amx_engine(engine);
-  TORCH_CHECK(W.fmt == kInt4R16 && W.group == 128 && W.N % 16 == 0 && W.scale, "INT4 r16 GEMM: kInt4R16 weights");
+  TORCH_CHECK(W.fmt == kInt4R16 && W.group == 128 && W.N % 16 == 0 && (W.scale || W.scale_h), "INT4 r16 GEMM: kInt4R16 weights");
   TORCH_CHECK(p.xb.defined() && p.xbs.defined() && p.gsb.defined(), "INT4 r16 GEMM: the int8 activations of the r16 form");
   const int64_t kp = p.xb.size(1), G = p.xbs.size(1), mpad = ((M + 31) / 32) * 32;
   TORCH_CHECK(kp == 2 * W.row_bytes && kp == G * 128, "INT4 r16 GEMM: activations of whole groups");

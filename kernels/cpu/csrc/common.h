@@ -133,6 +133,7 @@ struct WeightView {
   const float* zero = nullptr;   // int4: [N, G] zero point in quantized units; int4 r16: scale·zero per block, or
                                  // none where every zero point is 8 (symmetric weights: the tiles take 8·scale)
   const int32_t* wsum = nullptr; // int8 (either layout): [N] Σ_k w[n, k] (the VNNI kernels' +128 compensation)
+  const uint16_t* scale_h = nullptr;  // int4 r16: the block scales as bfloat16 (every one exact in it), scale null
   int64_t scale_ld = 0;          // row stride of scale/zero
   int group = 0;                 // K elements per scale group (fp8 block K, int4 group); 0: whole row
   int block_n = 1;               // fp8: rows per scale block
@@ -275,6 +276,13 @@ inline void prefetch_line(const void* line, int hint) {
 // INT4 rows: a row's zero point of one group: the stored one at zero[off], or, for a symmetric weight, which keeps
 // no zero points (zero null), 8
 inline float int4_zero(const float* zero, int64_t off) { return zero ? zero[off] : 8.f; }
+
+// INT4 r16: 16 rows' block scales of one group at offset off: the float32 ones at sc, or, where they are exact in
+// bfloat16 and stored so (sch set: half the bytes), those widened, the same values
+inline __m512 int4_block_scales(const float* sc, const uint16_t* sch, int64_t off) {
+  return sch ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sch + off))), 16))
+             : _mm512_loadu_ps(sc + off);
+}
 
 // INT4 r16: 16 rows' scale·zero products of one group: the block's stored ones at sz + off, or, for a symmetric
 // weight, which keeps none (sz null), 8·scale, the same float32 product

@@ -80,8 +80,12 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
                                                                                        : kn.prefetch_ahead, v);
   v.prefetch_hint = kn.prefetch_hint;
   if (scale.defined() && scale.numel()) {
-    TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
-    v.scale = scale.data_ptr<float>();
+    // INT4 r16's block scales may be bfloat16 (prepare stores them so where every one is exact in it)
+    const bool h = fmt == kInt4R16 && scale.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(scale.is_contiguous() && (h || scale.scalar_type() == at::kFloat),
+                "scale must be contiguous float32 (INT4 r16: or bfloat16)");
+    if (h) v.scale_h = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+    else v.scale = scale.data_ptr<float>();
     v.scale_ld = scale.size(-1);
     s.scale_expert_stride = w.dim() == 3 ? scale.stride(0) : 0;
   }
@@ -106,7 +110,7 @@ StackedWeight make_weight(int64_t fmt, const at::Tensor& w, int64_t N, int64_t K
   s.expert_bytes = w.dim() == 3 ? w.stride(0) * elem_bytes((int)fmt) : 0;
   // INT4 without zero points: symmetric weights, every zero point 8 (prepare keeps no zero stream for them)
   TORCH_CHECK(fmt != kInt4 || (v.scale && group % 32 == 0), "int4 needs scale and group % 32 == 0");
-  TORCH_CHECK(fmt != kInt4R16 || (v.scale && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
+  TORCH_CHECK(fmt != kInt4R16 || ((v.scale || v.scale_h) && group == 128 && N % 16 == 0 && v.row_bytes % 64 == 0),
               "int4 r16 needs groups of 128, rows in whole blocks of 16 and its block scales");
   TORCH_CHECK(fmt != kFp8 || (v.scale && group % 32 == 0), "fp8 needs scale and a block K multiple of 32");
   TORCH_CHECK(fmt != kFp8R16 || (v.scale && group % 4 == 0 && block_n % 16 == 0 && N % 16 == 0 && K % 4 == 0 &&

@@ -23,6 +23,7 @@ struct StackedWeight {
     WeightView v = base;
     v.w += e * expert_bytes;
     if (v.scale) v.scale += e * scale_expert_stride;
+    if (v.scale_h) v.scale_h += e * scale_expert_stride;
     if (v.zero) v.zero += e * scale_expert_stride;
     if (v.wsum) v.wsum += e * scale_expert_stride;
     return v;
