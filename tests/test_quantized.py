@@ -200,3 +200,19 @@ def test_bad_int4_group_is_one_clear_error(source, tmp_path):
 
     with pytest.raises(MoetuneError, match="--group must be one of 32, 64, 128"):
         quantize_checkpoint(source, tmp_path / "x", "int4", progress=False, group=48)
+
+
+def test_cached_quantization_names_the_quantizers_revision(source, tmp_path, monkeypatch):
+    """A cached quantization is redone, not reused, where the quantizer's output changed (REVISION: int4's scales
+    rounded to bfloat16 values); formats without a revision keep their names; a second call reuses the entry."""
+    from engine.weights import quantize as q
+
+    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
+    int4 = q.cached_quantization(source, "int4", progress=False)
+    assert int4.name.endswith(f"-int4-r{q.REVISION['int4']}") and (int4 / "config.json").is_file()
+    with safe_open(next(int4.glob("*.safetensors")), "pt") as st:
+        scales = [st.get_tensor(n) for n in st.keys() if n.endswith("weight_scale")]
+    assert scales and all(torch.equal(s, s.bfloat16().float()) for s in scales)  # the revision's property
+    assert q.cached_quantization(source, "int4", progress=False) == int4
+    int8 = q.cached_quantization(source, "int8", progress=False, lm_head=True)
+    assert int8.name.endswith("-int8-head")

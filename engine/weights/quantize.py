@@ -37,6 +37,9 @@ FP8_BLOCK = (128, 128)
 
 
 LM_HEAD = "lm_head.weight"
+# per format, the quantizer's output revision where it changed (in the cache's names: a cached quantization is
+# redone, not reused): int4 2, its symmetric scales rounded to bfloat16 values (session 44)
+REVISION = {"int4": 2}
 
 
 def quantize_tensor(name: str, t: torch.Tensor, to: str, group: int = 128,
@@ -106,9 +109,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, to: str, progress: boo
 
 
 def cached_quantization(src: str | Path, to: str, progress: bool = True, lm_head: bool = False) -> Path:
-    """`src` quantized to `to` once, in the cache (<cache>/quantized/<name>-<hash of the source's
-    path>-<to>, `-head` added where the LM head is quantized too); written to a temporary folder renamed
-    into place, so a killed run leaves nothing that a later one would take for a finished checkpoint."""
+    """`src` quantized to `to` once, in the cache (<cache>/quantized/<name>-<hash of the source's path>-<to>,
+    then `-r<n>` from the format's REVISION and `-head` where the LM head is quantized too); written to a temporary
+    folder renamed into place, so a killed run leaves nothing that a later one would take for a finished
+    checkpoint."""
     import hashlib
     import os
 
@@ -116,7 +120,8 @@ def cached_quantization(src: str | Path, to: str, progress: bool = True, lm_head
 
     src = Path(src).resolve()
     tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
-    dst = cache_root() / "quantized" / f"{src.name}-{tag}-{to}{'-head' if lm_head else ''}"
+    rev = f"-r{REVISION[to]}" if to in REVISION else ""
+    dst = cache_root() / "quantized" / f"{src.name}-{tag}-{to}{rev}{'-head' if lm_head else ''}"
     if (dst / "config.json").is_file():
         return dst
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
