@@ -38,19 +38,32 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
+# a stored weight's safetensors dtype → the quantized format it holds (packed INT4: two values a byte)
+QUANTIZED_DTYPES = {"F8_E4M3": "fp8", "I8": "int8", "U8": "int4"}
+
+
 # ---------------------------------------------------------------- shards and headers
+
+
+def _weight_map(path: Path) -> dict[str, str] | None:
+    """model.safetensors.index.json's tensor name → shard file, checked; None without an index."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise MoetuneError(f"{index} is not a valid safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MoetuneError(f"{index} is not a valid safetensors index (weight_map must map names to files)")
+    return weight_map
 
 
 def shard_files(path: Path) -> list[Path]:
     """The checkpoint's shards: from model.safetensors.index.json, else every *.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise MoetuneError(f"{index} is not a valid safetensors index ({e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise MoetuneError(f"{index} is not a valid safetensors index (weight_map must map names to files)")
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        index = path / "model.safetensors.index.json"
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -67,15 +80,14 @@ def lm_head_quantized(path: Path) -> bool:
     output): its weight is an int8, packed-int4 or float8 tensor. Reads one shard's header (the one the index
     names); False for a tied or float head."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    files = shard_files(path)
-    if index.is_file():
-        shard = json.loads(index.read_text())["weight_map"].get("lm_head.weight")
-        files = [path / shard] if shard else []
+    files = shard_files(path)  # the checkpoint checked as the loader will (index, shards present)
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        files = [path / weight_map["lm_head.weight"]] if "lm_head.weight" in weight_map else []
     for f in files:
         info = scan([f]).get("lm_head.weight")
         if info is not None:
-            return info.dtype in ("I8", "U8", "F8_E4M3")
+            return info.dtype in QUANTIZED_DTYPES
     return False
 
 
@@ -126,12 +138,8 @@ def _linear_format(spec: LinearSpec, infos: dict[str, TensorInfo]) -> str:
             raise MoetuneError(f"dtype mismatch: {prefixes[0]}.weight is {first} but {prefix}.weight is {tag} "
                                f"(all parts of {spec.key} must share one format)")
     tag = first
-    if tag == "F8_E4M3":
-        return "fp8"
-    if tag == "I8":
-        return "int8"
-    if tag == "U8":
-        return "int4"
+    if tag in QUANTIZED_DTYPES:
+        return QUANTIZED_DTYPES[tag]
     if tag in FLOAT_DTYPES:
         return "dense"
     raise MoetuneError(f"dtype mismatch: {spec.sources[0][0]}.weight has dtype {tag}, "

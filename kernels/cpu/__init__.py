@@ -666,8 +666,7 @@ def prepare(weight, in_place: bool = False, layout: str | None = None):
             weight = R16Weight(w)
         args = _pack(weight)
     if _knobs["cpu_huge_pages"] and isinstance(weight, (Int4GroupWeight, Int4R16Weight)):
-        weight = _int4_groups_in_huge_pages(weight, args)
-        args = _pack(weight)
+        weight, args = _int4_groups_in_huge_pages(weight, args)
     return Packed(weight, args)
 
 
@@ -675,15 +674,16 @@ def _int4_groups_in_huge_pages(weight, args: tuple):
     """An INT4 weight whose per-group values that the kernels read (the scales, and the zero points or scale·zero
     products where passed: args[4], args[5]) lie in huge-page storage where they fill one (as the weight bytes do):
     the tiles read them as a stream beside the weights, one value per 128 of a row, which in ordinary pages costs
-    a TLB walk every 4 KiB (an expert stack's: 11-45 MB for `small` and V3)."""
+    a TLB walk every 4 KiB (an expert stack's: 11-45 MB for `small` and V3). Returns the weight and its args, the
+    copies in both (no second _pack)."""
     names = ("scale", "zero") if isinstance(weight, Int4GroupWeight) else ("block_scale", "block_sz")
-    new = {}
-    for name, passed in zip(names, args[4:6]):
+    new, args = {}, list(args)
+    for slot, name in zip((4, 5), names):
         t = getattr(weight, name)
-        if (passed.numel() and t.data_ptr() == passed.data_ptr() and t.nbytes >= HUGE_MIN_BYTES
+        if (args[slot].numel() and t.data_ptr() == args[slot].data_ptr() and t.nbytes >= HUGE_MIN_BYTES
                 and not _in_huge_pages(t)):
-            new[name] = _huge_copy(t.contiguous())
-    return dataclasses.replace(weight, **new) if new else weight
+            new[name] = args[slot] = _huge_copy(t.contiguous())
+    return (dataclasses.replace(weight, **new) if new else weight), tuple(args)
 
 
 def prepare_weights(weights: dict) -> dict:

@@ -1072,11 +1072,8 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       const int64_t n0 = nb * 32;
       const bool two = n0 + 16 < N;  // N is whole 16-row blocks: the second may be missing (its B tiles zero)
-      const float* sc[2] = {W.scale ? W.scale + n0 * W.scale_ld : nullptr, W.scale && two ? W.scale + (n0 + 16) * W.scale_ld : nullptr};
-      const uint16_t* sch[2] = {W.scale_h ? W.scale_h + n0 * W.scale_ld : nullptr,
-                                W.scale_h && two ? W.scale_h + (n0 + 16) * W.scale_ld : nullptr};
-      // scale·zero per block, none for symmetric weights (int4_scale_zero)
-      const float* sz[2] = {W.zero ? W.zero + n0 * W.scale_ld : nullptr, W.zero && two ? W.zero + (n0 + 16) * W.scale_ld : nullptr};
+      // the two blocks' scales and scale·zero products (the second only where it exists)
+      const Int4R16Groups gv[2] = {Int4R16Groups(W, n0), two ? Int4R16Groups(W, n0 + 16) : Int4R16Groups()};
       if (!two) {
         std::memset(b + 1024, 0, 1024);
         std::memset(b + 3072, 0, 1024);
@@ -1099,8 +1096,8 @@ void gemm_int4_r16_amx(const uint8_t* a_rows, int64_t kp, const float* xs, const
           int4_group_sums<T>(ag, ag + ktiles * 1024, b, 0, 2, c);
           float* acc = accs + mb * 1024;
           for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-            const __m512 s = int4_block_scales(sc[h], sch[h], 16 * g);
-            const __m512 z = int4_scale_zero(sz[h], 16 * g, s);
+            const __m512 s = gv[h].scales(g);
+            const __m512 z = gv[h].scale_zero(g, s);
             for (int64_t i = 0; i < rows; ++i) {
               const int64_t m = 32 * mb + i;
               float* ai = acc + 32 * i + 16 * h;

@@ -277,18 +277,28 @@ inline void prefetch_line(const void* line, int hint) {
 // no zero points (zero null), 8
 inline float int4_zero(const float* zero, int64_t off) { return zero ? zero[off] : 8.f; }
 
-// INT4 r16: 16 rows' block scales of one group at offset off: the float32 ones at sc, or, where they are exact in
-// bfloat16 and stored so (sch set: half the bytes), those widened, the same values
-inline __m512 int4_block_scales(const float* sc, const uint16_t* sch, int64_t off) {
-  return sch ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sch + off))), 16))
-             : _mm512_loadu_ps(sc + off);
-}
-
-// INT4 r16: 16 rows' scale·zero products of one group: the block's stored ones at sz + off, or, for a symmetric
-// weight, which keeps none (sz null), 8·scale, the same float32 product
-inline __m512 int4_scale_zero(const float* sz, int64_t off, __m512 s) {
-  return sz ? _mm512_loadu_ps(sz + off) : _mm512_mul_ps(s, _mm512_set1_ps(8.f));
-}
+// INT4 r16: one 16-row block's per-group values (the block of row r of W), 16 rows at once per group g: its block
+// scales (float32, or bfloat16 where prepare stored them so, every one exact: the same values widened) and its
+// scale·zero products (none for a symmetric weight: 8·scale, the same float32 product)
+struct Int4R16Groups {
+  const float* sc = nullptr;
+  const uint16_t* sch = nullptr;
+  const float* sz = nullptr;
+  Int4R16Groups() = default;
+  Int4R16Groups(const WeightView& W, int64_t r) {
+    const int64_t off = r * W.scale_ld;
+    if (W.scale) sc = W.scale + off;
+    if (W.scale_h) sch = W.scale_h + off;
+    if (W.zero) sz = W.zero + off;
+  }
+  __m512 scales(int64_t g) const {
+    return sch ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sch + 16 * g))), 16))
+               : _mm512_loadu_ps(sc + 16 * g);
+  }
+  __m512 scale_zero(int64_t g, __m512 s) const {
+    return sz ? _mm512_loadu_ps(sz + 16 * g) : _mm512_mul_ps(s, _mm512_set1_ps(8.f));
+  }
+};
 
 // 16 float32 lanes rounded to bfloat16 (nearest even; finite values: attention's queries and
 // probabilities, FP8 weights dequantized for cpu_fp8_gemm: fp8_row_bf16).
